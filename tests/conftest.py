@@ -19,3 +19,4 @@ def small_chunks(monkeypatch):
     from fedtrust.aggregators import kernels
 
     monkeypatch.setattr(kernels, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(kernels, "SELECT_CHUNK_BYTES", 64)

@@ -3,12 +3,18 @@
 import pytest
 import reference as ref
 import torch
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_rule_properties import OPTIONS, benchmark_loss
 
 from fedtrust import Round, available, rule
-from fedtrust.aggregators.kernels import column_chunks, pairwise_sq_distances
+from fedtrust.aggregators.bulyan import closest_to_median, closest_to_median_by_sort
+from fedtrust.aggregators.kernels import (
+    column_chunks,
+    pairwise_sq_distances,
+    rank_window,
+    rank_window_by_sort,
+)
 
 
 @pytest.mark.parametrize("name", available())
@@ -24,6 +30,7 @@ def test_chunked_and_unchunked_paths_agree(name, monkeypatch):
     )
     whole = rule(name, **OPTIONS.get(name, {}))(r)
     monkeypatch.setattr(kernels, "CHUNK_BYTES", 11 * 8 * 3)  # 3 columns a chunk, the last one short
+    monkeypatch.setattr(kernels, "SELECT_CHUNK_BYTES", 11 * 8 * 3)
     assert len(list(column_chunks(r.updates))) == 13
     chunked = rule(name, **OPTIONS.get(name, {}))(r)
     torch.testing.assert_close(chunked.vector, whole.vector)
@@ -49,3 +56,68 @@ def test_float32_distances_match_float64_reference_under_huge_outliers(seed, mag
         got[honest_block, honest_block], want[honest_block, honest_block], rtol=1e-4, atol=1e-3
     )
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * (1 + magnitude))
+
+
+CONSTANT_FIXTURE = settings(
+    suppress_health_check=[HealthCheck.function_scoped_fixture]
+)  # small_chunks never changes
+
+
+@CONSTANT_FIXTURE
+@given(
+    n=st.integers(1, 40),
+    d=st.integers(1, 300),
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_the_selection_fast_path_agrees_with_sorting(n, d, data, dtype, small_chunks):
+    """Introselect on transposed blocks (the CPU path) gives every rank window the sort would."""
+    lo = data.draw(st.integers(0, n - 1))
+    hi = data.draw(st.integers(lo + 1, n))
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(n * 1000 + d), dtype=dtype)
+    values, weights = rank_window(x, lo, hi)
+    want_values, want_weights = rank_window_by_sort(x, lo, hi)
+    torch.testing.assert_close(values, want_values)
+    torch.testing.assert_close(weights, want_weights)  # no ties: the same slots
+
+
+def test_clients_tied_at_the_median_share_its_weight_evenly():
+    """Colluders sending one identical vector (as ALIE does) split the median's slots among themselves,
+    whatever order they arrive in."""
+    honest = torch.tensor([[-2.0, 5.0], [-1.0, 6.0], [3.0, 9.0], [4.0, 10.0]])
+    same = torch.tensor([[0.5, 7.0]]).expand(3, 2)
+    x = torch.cat([honest, same])
+    values, weights = rank_window(x, 3, 4)  # the median of 7
+    torch.testing.assert_close(values, torch.tensor([0.5, 7.0]))
+    torch.testing.assert_close(weights, torch.tensor([0, 0, 0, 0, 1 / 3, 1 / 3, 1 / 3]))
+    perm = torch.tensor([4, 0, 5, 1, 2, 6, 3])
+    _, permuted = rank_window(x[perm], 3, 4)
+    torch.testing.assert_close(permuted, weights[perm])
+    # a window whose upper cut falls inside the tied block: ranks 1-3 hold -1 and two of the three 0.5s
+    _, cut = rank_window(x, 1, 4)
+    torch.testing.assert_close(cut * 3, torch.tensor([0, 1, 0, 0, 2 / 3, 2 / 3, 2 / 3]))
+    x2 = torch.tensor([[1.0], [1.0], [1.0], [2.0], [0.0]])
+    _, w2 = rank_window(x2, 0, 2)  # ranks 0, 1: 0.0 and one of the three 1.0s
+    torch.testing.assert_close(w2, torch.tensor([1 / 6, 1 / 6, 1 / 6, 0.0, 0.5]))
+    assert x2[:, 0].tolist() == [1.0, 1.0, 1.0, 2.0, 0.0]  # the input is never reordered in place
+
+
+def test_rank_window_rejects_an_empty_window():
+    with pytest.raises(ValueError, match="need 0 <= lo < hi <= n, got lo=2, hi=2, n=3"):
+        rank_window(torch.zeros(3, 4), 2, 2)
+
+
+@CONSTANT_FIXTURE
+@given(theta=st.integers(3, 25), d=st.integers(1, 200), seed=st.integers(0, 2**31 - 1))
+def test_bulyan_closest_to_median_fast_path_agrees_with_sorting(theta, d, seed, small_chunks):
+    from fedtrust.aggregators.kernels import map_column_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    n = theta + 4
+    x = torch.randn(n, d, generator=g)
+    selected = torch.randperm(n, generator=g)[:theta].sort().values
+    beta = theta - 2 * min(2, (theta - 1) // 2)  # theta - 2f, as Bulyan: no exact tie between two middles
+    fast = map_column_blocks(x, lambda b: closest_to_median(b, selected.numpy(), beta))
+    slow = closest_to_median_by_sort(x, selected, beta)
+    torch.testing.assert_close(fast[0], slow[0])
+    torch.testing.assert_close(fast[1], slow[1])

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round, byzantine_budget, check_f
-from fedtrust.aggregators.kernels import coordinatewise, pairwise_sq_distances
+from fedtrust.aggregators.kernels import (
+    coordinatewise,
+    map_column_blocks,
+    pairwise_sq_distances,
+    sorted_columns,
+    window_slots,
+)
 from fedtrust.aggregators.krum import krum_order
-from fedtrust.aggregators.median import median_chunk
+from fedtrust.aggregators.median import median_window
 
 
 def recursive_krum(sq_dist: torch.Tensor, f: int, count: int) -> list[int]:
@@ -53,13 +60,12 @@ class Bulyan(BaseRule):
             device=round.updates.device,
         )
 
-        def closest_to_median(chunk):
-            sub = chunk.index_select(0, selected)
-            med, _ = median_chunk(sub)
-            near = (sub - med).abs().topk(beta, dim=0, largest=False).indices
-            return sub.gather(0, near).mean(0), selected[near]
-
-        vector, weights = coordinatewise(round.updates, closest_to_median)
+        if round.updates.device.type == "cpu":
+            vector, weights = map_column_blocks(
+                round.updates, lambda b: closest_to_median(b, selected.numpy(), beta)
+            )
+        else:
+            vector, weights = closest_to_median_by_sort(round.updates, selected, beta)
         info = {
             "f": f,
             "theta": theta,
@@ -67,3 +73,37 @@ class Bulyan(BaseRule):
             "selected": [round.client_ids[i] for i in selected.tolist()],
         }
         return Aggregate(vector, weights, info)
+
+
+def closest_to_median(block: np.ndarray, selected: np.ndarray, beta: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bulyan's second phase on an (n, c) block: per column, the mean of the ``beta`` selected values
+    closest to the selected values' median, and each client's count of (column, slot) picks.
+
+    The beta values closest to a point are a run of consecutive ranks, so after sorting each column
+    the chosen set is the window of beta ranks with the least total distance to the median."""
+    sub = block[selected]
+    t = sorted_columns(sub)  # (c, theta)
+    theta = t.shape[1]
+    lo, hi = median_window(theta)
+    med = t[:, lo:hi].mean(1, dtype=np.float64, keepdims=True)
+    zero = np.zeros((len(t), 1))
+    distance = np.concatenate([zero, np.cumsum(np.abs(t - med), axis=1, dtype=np.float64)], axis=1)
+    start = np.argmin(distance[:, beta:] - distance[:, : theta - beta + 1], axis=1)
+    total = np.concatenate([zero, np.cumsum(t, axis=1, dtype=np.float64)], axis=1)
+    rows = np.arange(len(t))
+    values = ((total[rows, start + beta] - total[rows, start]) / beta).astype(block.dtype, copy=False)
+    slots = window_slots(sub, t, start, start + beta)
+    return values, np.bincount(selected, weights=slots, minlength=block.shape[0])
+
+
+def closest_to_median_by_sort(x: torch.Tensor, selected: torch.Tensor, beta: int):
+    """The same with torch ops on x's device (and the reference for the CPU path)."""
+    lo, hi = median_window(len(selected))
+
+    def window(chunk):
+        sub = chunk.index_select(0, selected)
+        med = sub.sort(dim=0).values[lo:hi].mean(0)
+        near = (sub - med).abs().topk(beta, dim=0, largest=False).indices
+        return sub.gather(0, near).mean(0), selected[near]
+
+    return coordinatewise(x, window)

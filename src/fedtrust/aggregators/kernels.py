@@ -7,8 +7,12 @@ d = 10 million float32 coordinates (4 GB) aggregates inside 24 GB.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 
+import numpy as np
 import torch
 
 #: Bytes of the input one chunk covers. Sorting a chunk holds values + int64 indices (3x this).
@@ -89,27 +93,40 @@ def sq_distances_from_gram(g: torch.Tensor) -> torch.Tensor:
     return dist
 
 
-#: Re-anchor the Gram matrix when points lie this many times further from the centre than typical
-#: pairwise distances (float32 cancellation would then swamp the small distances).
+#: Distances come from the raw Gram matrix when no point's squared norm exceeds this many times the
+#: typical squared distance (update deltas: norms and distances are alike); otherwise from a centred one.
+_RAW_LIMIT = 10.0
+#: Re-anchor the centred Gram matrix when points lie this many times further from the centre than
+#: typical pairwise distances (float32 cancellation would then swamp the small distances).
 _CONDITION_LIMIT = 100.0
+
+
+def _ill_conditioned(g: torch.Tensor, dist: torch.Tensor, limit: float) -> bool:
+    n = g.shape[0]
+    off = dist[~torch.eye(n, dtype=torch.bool, device=dist.device)]
+    return bool(g.diagonal().max() > limit * torch.quantile(off, 0.2))
 
 
 def pairwise_sq_distances(x: torch.Tensor) -> torch.Tensor:
     """(n, n) float64 squared Euclidean distances between the rows of ``x`` from one Gram matrix.
 
-    The Gram is taken around the coordinate-wise mean. Huge outliers drag that mean far from the
-    honest points and float32 cancellation would blur the small honest-honest distances, so when the
-    largest centred norm exceeds ``_CONDITION_LIMIT`` times the 20% quantile of the pairwise distances,
-    the Gram is recomputed once around the most central client (least median distance to the others).
+    First from the raw Gram (one GEMM pass). If some point's squared norm exceeds ``_RAW_LIMIT`` times
+    the 20% quantile of the pairwise distances (a large common component, as with raw parameters), float32
+    cancellation could blur the small distances, so the Gram is recomputed around the coordinate-wise mean;
+    and if huge outliers drag that mean far from the honest points (centred norms above
+    ``_CONDITION_LIMIT`` times the typical distance), once more around the most central client (least
+    median distance to the others).
     """
-    g = gram(x, "mean")
-    dist = sq_distances_from_gram(g)
     n = x.shape[0]
     if n < 3:
+        return sq_distances_from_gram(gram(x, "mean"))
+    g = gram(x)
+    dist = sq_distances_from_gram(g)
+    if not _ill_conditioned(g, dist, _RAW_LIMIT):
         return dist
-    off = dist[~torch.eye(n, dtype=torch.bool, device=dist.device)]
-    typical = torch.quantile(off, 0.2)
-    if g.diagonal().max() > _CONDITION_LIMIT * typical:
+    g = gram(x, "mean")
+    dist = sq_distances_from_gram(g)
+    if _ill_conditioned(g, dist, _CONDITION_LIMIT):
         anchor = int(dist.median(dim=1).values.argmin())
         dist = sq_distances_from_gram(gram(x, x[anchor]))
     return dist
@@ -134,3 +151,111 @@ def coordinatewise(
         counts += torch.bincount(picked.reshape(-1), minlength=n)
     weights = counts.to(torch.float64) / counts.sum()
     return out, weights.to(x.dtype)
+
+
+# ---------------------------------------------------------------- order statistics (median, trimmed mean)
+
+#: Bytes of the input one selection block covers: small enough that its transposed copy stays in cache.
+SELECT_CHUNK_BYTES = 1 << 21
+
+
+@cache
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, torch.get_num_threads())), "fedtrust-select")
+
+
+def map_column_blocks(
+    x: torch.Tensor, fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``fn`` on cache-sized (n, c) column blocks of a CPU tensor, on a thread pool (numpy releases
+    the GIL); ``fn`` returns the block's (c,) values and (n,) slot counts. Returns the (d,) values and
+    the (n,) weights (slot counts normalised to sum to one)."""
+    n, d = x.shape
+    xn = x.detach().numpy()
+    width = max(1, SELECT_CHUNK_BYTES // max(1, n * x.element_size()))
+    blocks = [slice(s, min(d, s + width)) for s in range(0, d, width)]
+    out = np.empty(d, dtype=xn.dtype)
+    slots = np.zeros(n, dtype=np.float64)
+    for cols, (values, counts) in zip(blocks, _pool().map(lambda c: fn(xn[:, c]), blocks), strict=True):
+        out[cols] = values
+        slots += counts
+    return torch.from_numpy(out), torch.from_numpy(slots / slots.sum()).to(x.dtype)
+
+
+def sorted_columns(x: np.ndarray) -> np.ndarray:
+    """The (c, n) transpose of an (n, c) block with each row sorted: numpy sorts short contiguous rows
+    with SIMD sorting networks, several times faster than selecting along the strided axis."""
+    t = np.array(x.T, order="C")  # always a copy: the caller's block is never reordered
+    t.sort(axis=1)
+    return t
+
+
+def window_slots(x: np.ndarray, t: np.ndarray, lo: int | np.ndarray, hi: int | np.ndarray) -> np.ndarray:
+    """Each client's count of the (column, rank) slots of the windows ``lo..hi-1`` (per column, or one
+    window for all), given the block ``x`` (n, c) and its sorted transpose ``t``. A value tied across a
+    window's edge shares the slots at that value evenly among the clients holding it."""
+    n = x.shape[0]
+    rows = np.arange(t.shape[0])
+    lo_b, hi_b = np.broadcast_to(lo, rows.shape), np.broadcast_to(hi, rows.shape)
+    low, high = t[rows, lo_b], t[rows, hi_b - 1]
+    crossing = np.zeros(rows.shape, dtype=bool)  # a value equal on both sides of an edge
+    inner = lo_b > 0
+    crossing[inner] |= t[rows[inner], lo_b[inner] - 1] == low[inner]
+    outer = hi_b < n
+    crossing[outer] |= t[rows[outer], hi_b[outer]] == high[outer]
+    inside = x >= low
+    inside &= x <= high
+    slots = np.count_nonzero(inside, axis=1).astype(np.float64)
+    ties = np.flatnonzero(crossing)
+    if ties.size:
+        slots -= np.count_nonzero(inside[:, ties], axis=1)
+        slots += _tied_slots(x[:, ties], low[ties], high[ties], lo_b[ties], hi_b[ties])
+    return slots
+
+
+def _tied_slots(
+    x: np.ndarray, low: np.ndarray, high: np.ndarray, lo: np.ndarray, hi: np.ndarray
+) -> np.ndarray:
+    """Slot counts for columns whose window edge cuts through a block of equal values: the clients sharing
+    the value share the window's slots at that value evenly."""
+    slots = np.count_nonzero((x > low) & (x < high), axis=1).astype(np.float64)
+    for value in (low, np.where(high == low, np.nan, high)):  # one tied block is counted once
+        below = np.count_nonzero(x < value, axis=0)
+        equal = x == value
+        count = np.count_nonzero(equal, axis=0)
+        kept = np.maximum(np.minimum(hi, below + count) - np.maximum(lo, below), 0)
+        slots += equal @ np.where(count > 0, kept / np.maximum(count, 1), 0.0)
+    return slots
+
+
+def _window_block(x: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    t = sorted_columns(x)
+    values = t[:, lo:hi].mean(1, dtype=np.float64).astype(x.dtype, copy=False)
+    return values, window_slots(x, t, lo, hi)
+
+
+def rank_window(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every coordinate j, the mean of the values of rank lo..hi-1 (0-based, ascending) among
+    x[0, j], ..., x[n-1, j], and each client's weight: its share of the (coordinate, rank) slots, with
+    clients tied across a window edge sharing those slots evenly. The median is the window
+    (n // 2, n // 2 + 1) for odd n and (n/2 - 1, n/2 + 1) for even n; the b-trimmed mean is (b, n - b).
+
+    On the CPU each cache-sized column block is transposed and sorted with numpy's SIMD sort, on a
+    thread pool; on other devices a sort per chunk does it (:func:`rank_window_by_sort`).
+    """
+    n, d = x.shape
+    if not 0 <= lo < hi <= n:
+        raise ValueError(f"rank_window: need 0 <= lo < hi <= n, got lo={lo}, hi={hi}, n={n}")
+    if x.device.type != "cpu":
+        return rank_window_by_sort(x, lo, hi)
+    return map_column_blocks(x, lambda block: _window_block(block, lo, hi))
+
+
+def rank_window_by_sort(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference for :func:`rank_window`: sort every chunk (ties broken by position)."""
+
+    def window(chunk):
+        ordered, index = chunk.sort(dim=0, stable=True)
+        return ordered[lo:hi].mean(0), index[lo:hi]
+
+    return coordinatewise(x, window)

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round
-from fedtrust.aggregators.kernels import coordinatewise
+from fedtrust.aggregators.kernels import rank_window
 
 
-def median_chunk(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Median of each column of an (n, c) chunk and the (1 or 2, c) indices of the values it came from."""
-    n = chunk.shape[0]
-    if n % 2:
-        values, index = chunk.median(dim=0)
-        return values, index[None]
-    ordered, index = chunk.sort(dim=0)
-    m = n // 2
-    return (ordered[m - 1] + ordered[m]) / 2, index[m - 1 : m + 1]
+def median_window(n: int) -> tuple[int, int]:
+    """The ranks whose mean is the median of n values: the middle one, or the two middle ones."""
+    return (n // 2, n // 2 + 1) if n % 2 else (n // 2 - 1, n // 2 + 1)
 
 
 class CoordinateMedian(BaseRule):
@@ -24,12 +16,12 @@ class CoordinateMedian(BaseRule):
     Bartlett 2018, Definition 1); for even n the mean of the two middle values, the ordinary median.
 
     Trust weight of a client: the share of coordinates whose median it supplied (half a share for each
-    of the two middle values when n is even).
+    of the two middle values when n is even; clients tied at the median share its slots evenly).
     """
 
     name = "median"
     paper = "Yin et al. 2018, Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates"
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        vector, weights = coordinatewise(round.updates, median_chunk)
+        vector, weights = rank_window(round.updates, *median_window(round.n))
         return Aggregate(vector, weights, {})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round, byzantine_budget, check_f
-from fedtrust.aggregators.kernels import coordinatewise
+from fedtrust.aggregators.kernels import rank_window
 
 
 class TrimmedMean(BaseRule):
@@ -13,6 +13,9 @@ class TrimmedMean(BaseRule):
     f: values trimmed from each side, as a count (int) or as a fraction beta of the round's clients
        (float, rounded down). Malformed clients already quarantined count against it. Needs 2b < n.
        ``f=0`` is the plain mean.
+
+    Trust weight of a client: the share of (coordinate, kept value) slots it filled; clients tied at a
+    cut share the slots at that value evenly.
     """
 
     name = "trimmed_mean"
@@ -24,10 +27,5 @@ class TrimmedMean(BaseRule):
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
         n = round.n
         b = byzantine_budget(self.name, self.f, round, n_quarantined, "n > 2f", lambda f: 2 * f + 1)
-
-        def trim(chunk):
-            ordered, index = chunk.sort(dim=0)
-            return ordered[b : n - b].mean(0), index[b : n - b]
-
-        vector, weights = coordinatewise(round.updates, trim)
+        vector, weights = rank_window(round.updates, b, n - b)
         return Aggregate(vector, weights, {"trimmed_per_side": b})
