@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from fedtrust.inference.result import InferenceResult, converged
-from fedtrust.inference.tasks import as_tasks, mean_noise, residual_gram, residual_sq, weighted_sums
+from fedtrust.inference.tasks import TaskGram, as_tasks, mean_noise, weighted_sums
 
 LOG2PI = math.log(2 * math.pi)
 
@@ -101,9 +101,12 @@ def icov_mle(
     """
     t = as_tasks(estimates, mask)
     _, sources, k = t.shape
+    gram = TaskGram.of(t)  # the iterations need only residual Gram matrices: one pass over the data
     keys = list(range(sources)) if source_keys is None else list(source_keys)
     init = init or {}
-    noise = torch.as_tensor(init.get("noise", mean_noise(t)), dtype=torch.float64).clone()
+    noise = torch.as_tensor(
+        init["noise"] if "noise" in init else mean_noise(t, gram), dtype=torch.float64
+    ).clone()
     v = (
         torch.as_tensor(init["V"], dtype=torch.float64).clone()
         if "V" in init
@@ -121,8 +124,7 @@ def icov_mle(
     for it in range(1, max_iter + 1):
         with torch.no_grad():
             a = consensus_coefficients(_phi(theta), t.mask)
-            y = weighted_sums(t, a)
-            s = residual_gram(t, y)
+            s = gram.residual_gram(a, t.mask)
         all_s = s if past is None else torch.cat([s, past.gram])
         ll = _fit_covariance(theta, all_mask, all_s, k, total, steps)
         trace.append(ll / total)
@@ -133,7 +135,7 @@ def icov_mle(
         params = {"V": theta["V"].detach(), "sigma2": theta["log_noise"].detach().exp(),
                   "sigma_u2": float(theta["log_su2"].exp()), "Phi": phi}  # fmt: skip
     return InferenceResult(
-        consensus=y,
+        consensus=weighted_sums(t, a),
         noise=phi.diagonal().clone(),
         weights=a,
         trace=trace,
@@ -265,16 +267,17 @@ def icov_vb(
     tasks, sources, k = t.shape
     d = latent_dim
     m = t.m
+    gram = TaskGram.of(t)
     keys = list(range(sources)) if source_keys is None else list(source_keys)
     init = init or {}
     eye = torch.eye(d, dtype=torch.float64, device=t.x.device)
-    start = mean_noise(t)
+    start = mean_noise(t, gram)
     if "noise" in init:
         given = torch.as_tensor(init["noise"], dtype=torch.float64).clone()
         start = torch.where(torch.isnan(given), start, given)
     s2 = start if noise == "per_source" else torch.full_like(start, float(start.mean()))
-    plain = weighted_sums(t, m / m.sum(1, keepdim=True)).to(torch.float64)
-    sy2 = float(init.get("sigma_y2", float(plain.square().mean()) + float(s2.mean())))
+    plain_sq = float(gram.sq_norm(m / m.sum(1, keepdim=True)).sum()) / (tasks * k)
+    sy2 = float(init.get("sigma_y2", plain_sq + float(s2.mean())))
     su2 = float(init.get("sigma_u2", 1.0))
     sv2 = float(init.get("sigma_v2", float(s2.mean()) / d))
     v = (
@@ -287,8 +290,12 @@ def icov_vb(
         if "Psi" in init
         else sv2 * eye.expand(sources, d, d).clone()
     )
-    u = torch.zeros(tasks, k, d, dtype=t.x.dtype, device=t.x.device)
+    # ybar_i and the rows of U_i stay combinations of task i's estimates: ybar_i = sum_j alpha_ij x_ij,
+    # U_i = sum_j x_ij coef_u_ij', so the iterations run on the Gram matrices (one pass over the data).
     coef_u = torch.zeros(tasks, sources, d, dtype=torch.float64, device=t.x.device)
+    to_residual = torch.eye(sources, dtype=torch.float64, device=t.x.device)[
+        None
+    ]  # minus alpha: x_ij - ybar_i
     seen = m.sum(0) + (0 if past is None else past.mask.to(torch.float64).sum(0))
     active = seen > 0
     n_obs = float(seen.sum()) * k
@@ -298,24 +305,19 @@ def icov_vb(
         s_vec = w @ v  # (I, D): sum_j vbar_j / sigma_j^2
         # q(y): eqs 14-15
         lam = 1.0 / (1.0 / sy2 + w.sum(1))
-        us = torch.einsum("ikd,id->ik", u, s_vec.to(u.dtype)).to(torch.float64)
-        y = lam[:, None] * (weighted_sums(t, w).to(torch.float64) - us)
-        alpha = lam[:, None] * (w - torch.einsum("ijd,id->ij", coef_u, s_vec))
+        alpha = lam[:, None] * (w - torch.einsum("ijd,id->ij", coef_u, s_vec))  # ybar = lam (sum w x - U s)
         # q(U): eqs 16-17
         second_v = psi + v[:, :, None] * v[:, None, :]  # E[v v'] (J, D, D)
         phi_u = torch.linalg.inv(eye / su2 + torch.einsum("ij,jde->ide", w, second_v))
         wv = w[:, :, None] * v[None]  # (I, J, D)
-        xv = torch.einsum("ijk,ijd->ikd", t.x, wv.to(t.x.dtype)).to(torch.float64)
-        u = torch.einsum("ikd,ide->ike", xv - y[:, :, None] * s_vec[:, None, :], phi_u).to(t.x.dtype)
-        coef_u = torch.einsum("ijd,ide->ije", wv - alpha[:, :, None] * s_vec[:, None, :], phi_u)
+        coef_u = torch.einsum("ijd,ide->ije", wv - alpha[:, :, None] * s_vec[:, None, :], phi_u)  # (16)
         # this task's statistics
-        u64 = u.to(torch.float64)
-        big_a = k * phi_u + torch.einsum("ikd,ike->ide", u64, u64)
-        ux = torch.einsum("ikd,ijk->ijd", u, t.x).to(torch.float64)
-        b = (ux - torch.einsum("ikd,ik->id", u64, y)[:, None, :]) * m[:, :, None]
-        c = (residual_sq(t, y.to(t.x.dtype)) + k * lam[:, None]) * m
-        yterm = k * lam + y.square().sum(1)
-        uterm = k * phi_u.diagonal(dim1=1, dim2=2).sum(1) + u64.square().sum((1, 2))
+        utu = gram.form(coef_u, coef_u)  # U_i' U_i
+        big_a = k * phi_u + utu
+        b = gram.form(coef_u, to_residual - alpha[:, :, None]).transpose(1, 2) * m[:, :, None]  # U'(x - ybar)
+        c = (gram.residuals(alpha, m) + k * lam[:, None]) * m
+        yterm = k * lam + gram.sq_norm(alpha)
+        uterm = k * phi_u.diagonal(dim1=1, dim2=2).sum(1) + utu.diagonal(dim1=1, dim2=2).sum(1)
         now = IcovVbPast(t.mask, big_a, b, c, yterm, uterm, k)
         stats = now if past is None else now.cat(past)
         sm = stats.mask.to(torch.float64)
@@ -361,11 +363,11 @@ def icov_vb(
         params={
             "V": v,
             "Psi": psi,
-            "U": u,
+            "U": torch.einsum("ijk,ijd->ikd", t.x, coef_u.to(t.x.dtype)),
             "Phi_u": phi_u,
             "lambda": lam,
             "Sigma": sigma,
-            "posterior_mean": y.to(t.x.dtype),
+            "posterior_mean": weighted_sums(t, alpha),
             "posterior_weights": alpha,
             "sigma2": s2,
             "sigma_y2": sy2,

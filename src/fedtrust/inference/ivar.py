@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fedtrust.inference.result import InferenceResult, converged
-from fedtrust.inference.tasks import as_tasks, mean_noise, residual_sq, weighted_sums
+from fedtrust.inference.tasks import TaskGram, as_tasks, mean_noise, weighted_sums
 
 LOG2PI = math.log(2 * math.pi)
 
@@ -37,14 +37,14 @@ class IvarPast:
         return IvarPast(z, z.clone())
 
 
-def start_noise(t, init_noise) -> torch.Tensor:
+def start_noise(t, init_noise, gram: TaskGram | None = None) -> torch.Tensor:
     """Starting sigma_j^2: ``init_noise`` where given (NaN = unknown), else the distance to the plain mean."""
     if init_noise is None:
-        return mean_noise(t)
+        return mean_noise(t, gram)
     given = torch.as_tensor(init_noise, dtype=torch.float64, device=t.x.device).clone()
     unknown = torch.isnan(given)
     if unknown.any():
-        given[unknown] = mean_noise(t)[unknown]
+        given[unknown] = mean_noise(t, gram)[unknown]
     return given
 
 
@@ -66,21 +66,24 @@ def ivar_mle(
     until the log-likelihood changes by less than ``tol`` (relative) or ``max_iter`` iterations. Each
     step maximises the likelihood in its block, so the trace never decreases. Starts from the plain
     mean unless ``init_noise`` (J,) is given (NaN entries: unknown sources).
+
+    The iterations run on the tasks' Gram matrices (:class:`TaskGram`, one pass over the data), the
+    consensus is formed once at the end: two passes in all, however many iterations.
     """
     t = as_tasks(estimates, mask)
     _, sources, k = t.shape
     m = t.m
+    gram = TaskGram.of(t)
     past = past or IvarPast.empty(sources, t.x.device)
     noise = torch.ones(sources, dtype=torch.float64, device=t.x.device) if init_noise is None else (
-        start_noise(t, init_noise)
+        start_noise(t, init_noise, gram)
     )  # fmt: skip
     count = m.sum(0) + past.count
     trace: list[float] = []
     for it in range(1, max_iter + 1):
         weights = m / noise
         weights = weights / weights.sum(1, keepdim=True)
-        y = weighted_sums(t, weights)
-        r = residual_sq(t, y) / k
+        r = gram.residuals(weights, m) / k
         update = (r.sum(0) + past.total) / count.clamp_min(1)
         noise = torch.where(count > 0, update.clamp_min(eps), noise)
         # mean log-likelihood per observed value, past tasks included (they depend on sigma too)
@@ -89,7 +92,7 @@ def ivar_mle(
         if converged(trace, tol):
             break
     return InferenceResult(
-        consensus=y,
+        consensus=weighted_sums(t, weights),
         noise=noise,
         weights=weights,
         trace=trace,
@@ -119,27 +122,26 @@ def ivar_vb(
     (tau^2 and sigma_j^2 shared by the K coordinates, as sigma_j^2 is in Assumption 2). q(y_i) =
     N(ybar_i, lambda_i) is the exact posterior given tau^2 and sigma^2; the consensus is its mean. The
     free energy never decreases. ``tau2`` fixes the starting prior variance (default: fitted from the
-    plain mean).
+    plain mean). Like :func:`ivar_mle` it iterates on the Gram matrices: two passes over the data.
     """
     t = as_tasks(estimates, mask)
     tasks, sources, k = t.shape
     m = t.m
+    gram = TaskGram.of(t)
     past = past or IvarPast.empty(sources, t.x.device)
-    noise = start_noise(t, init_noise)
+    noise = start_noise(t, init_noise, gram)
     if tau2 is None:
-        mean = weighted_sums(t, m / m.sum(1, keepdim=True))
-        tau2 = float(mean.to(torch.float64).square().mean()) + float(noise.mean())
+        tau2 = float(gram.sq_norm(m / m.sum(1, keepdim=True)).sum()) / (tasks * k) + float(noise.mean())
     count = m.sum(0) + past.count
     tau_count = tasks + past.tau_count
     trace: list[float] = []
     for it in range(1, max_iter + 1):
         precision = m / noise
         lam = 1.0 / (1.0 / tau2 + precision.sum(1))  # (10)
-        weights = lam[:, None] * precision
-        y = weighted_sums(t, weights)  # (11)
-        ysq = y.to(torch.float64).square().sum(1) / k
+        weights = lam[:, None] * precision  # (11): ybar_i = sum_j weights_ij x_ij
+        ysq = gram.sq_norm(weights) / k
         tau2 = float(((lam + ysq).sum() + past.tau_total) / tau_count)  # (12)
-        r = residual_sq(t, y) / k
+        r = gram.residuals(weights, m) / k
         spread = (m * (lam[:, None] + r)).sum(0)
         noise = torch.where(count > 0, (spread + past.total) / count.clamp_min(1), noise)  # (13)
         trace.append(
@@ -149,7 +151,7 @@ def ivar_vb(
         if converged(trace, tol):
             break
     return InferenceResult(
-        consensus=y,
+        consensus=weighted_sums(t, weights),
         noise=noise,
         weights=weights,
         trace=trace,

@@ -76,6 +76,70 @@ def weighted_sums(t: Tasks, w: torch.Tensor) -> torch.Tensor:
     return torch.einsum("ijk,ij->ik", t.x, w.to(t.x.dtype))
 
 
+@dataclass(frozen=True)
+class TaskGram:
+    """Second moments of each task's estimates, from one pass over them: everything the estimators'
+    iterations need, so an iteration costs O(J^2) (or O(J^3)) instead of a pass over the I x J x K data.
+
+    With c_i the plain mean of task i's estimates and r_ij = x_ij - c_i (zero where missing), it keeps
+    centred (I, J, J) = r_i r_i', cross (I, J) = r_ij . c_i and mean_sq (I,) = ||c_i||^2. A combination
+    sum_j b_ij x_ij = sum_j b_ij r_ij + (sum_j b_ij) c_i, so every inner product of combinations is a
+    form in these three, each computed in float32 chunks and summed in float64: a large common component
+    (raw parameters rather than updates) costs no precision, and residuals (coefficients summing to 0)
+    never touch ``mean_sq``.
+    """
+
+    centred: torch.Tensor
+    cross: torch.Tensor
+    mean_sq: torch.Tensor
+
+    @staticmethod
+    def of(t: Tasks) -> TaskGram:
+        i, j, _ = t.x.shape
+        f64 = dict(dtype=torch.float64, device=t.x.device)
+        centred, cross, mean_sq = torch.zeros(i, j, j, **f64), torch.zeros(i, j, **f64), torch.zeros(i, **f64)
+        mask = t.mask[:, :, None].to(t.x.dtype)
+        plain = (t.m / t.m.sum(1, keepdim=True)).to(t.x.dtype)
+        for cols in t.chunks():
+            x = t.x[:, :, cols]
+            c = torch.einsum("ijk,ij->ik", x, plain)
+            r = (x - c[:, None, :]) * mask
+            centred += torch.bmm(r, r.transpose(1, 2)).to(torch.float64)
+            cross += torch.einsum("ijk,ik->ij", r, c).to(torch.float64)
+            mean_sq += c.to(torch.float64).square().sum(1)
+        return TaskGram(centred, cross, mean_sq)
+
+    def form(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """(I, a, b): P_i' X_i X_i' Q_i for coefficient matrices P (I, J, a) and Q (I, J, b)."""
+        sp, sq = p.sum(1), q.sum(1)  # (I, a), (I, b)
+        cp = torch.einsum("ija,ij->ia", p, self.cross)
+        cq = torch.einsum("ijb,ij->ib", q, self.cross)
+        out = p.transpose(1, 2) @ self.centred @ q
+        out += cp[:, :, None] * sq[:, None, :] + sp[:, :, None] * cq[:, None, :]
+        return out + self.mean_sq[:, None, None] * sp[:, :, None] * sq[:, None, :]
+
+    def sq_norm(self, w: torch.Tensor) -> torch.Tensor:
+        """(I,): ||sum_j w_ij x_ij||^2."""
+        return self.form(w[:, :, None], w[:, :, None])[:, 0, 0]
+
+    def residuals(self, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(I, J): ||x_ij - sum_l w_il x_il||^2 where present, zero elsewhere, in O(J^2) per task."""
+        gw = (self.centred @ w[:, :, None])[:, :, 0]  # (I, J)
+        delta = 1 - w.sum(1)  # the coefficient of c_i in each residual (the same for every j)
+        quad = self.centred.diagonal(dim1=1, dim2=2) - 2 * gw + (w * gw).sum(1, keepdim=True)
+        cross = self.cross - (w * self.cross).sum(1, keepdim=True)
+        out = quad + 2 * delta[:, None] * cross + (delta.square() * self.mean_sq)[:, None]
+        return out.clamp_min(0) * mask
+
+    def residual_gram(self, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(I, J, J): S_i = sum_k r_ijk r_ij'k with r_ij = x_ij - sum_l w_il x_il, zero where missing."""
+        m = mask.to(torch.float64)
+        eye = torch.eye(w.shape[1], dtype=torch.float64, device=w.device)
+        b = (eye - w[:, :, None]) * m[:, None, :]  # column j: e_j - w_i (zero for absent j)
+        s = self.form(b, b)
+        return (s + s.transpose(1, 2)) / 2
+
+
 def residual_sq(t: Tasks, y: torch.Tensor) -> torch.Tensor:
     """(I, J) float64: ||x_ij - y_i||^2, zero where missing."""
     out = torch.zeros(t.mask.shape, dtype=torch.float64, device=t.x.device)
@@ -94,12 +158,14 @@ def residual_gram(t: Tasks, y: torch.Tensor) -> torch.Tensor:
     return s
 
 
-def mean_noise(t: Tasks) -> torch.Tensor:
+def mean_noise(t: Tasks, gram: TaskGram | None = None) -> torch.Tensor:
     """(J,) float64: each source's mean squared distance (per coordinate) to the plain per-task mean, a
     starting point for the noise variances (sources with no data get 1; zeros are floored)."""
     m = t.m
-    mean = weighted_sums(t, m / m.sum(1, keepdim=True))
-    r = residual_sq(t, mean) / t.shape[2]
+    if gram is None:
+        r = residual_sq(t, weighted_sums(t, m / m.sum(1, keepdim=True))) / t.shape[2]
+    else:
+        r = gram.residuals(m / m.sum(1, keepdim=True), m) / t.shape[2]
     count = m.sum(0)
     noise = torch.where(count > 0, r.sum(0) / count.clamp_min(1), torch.ones_like(count))
     positive = noise[noise > 0]
