@@ -8,7 +8,7 @@ from fedtrust.data import load_digits, synthetic_linear
 from fedtrust.experiments.config import validate
 from fedtrust.experiments.runner import build_simulation
 from fedtrust.models import build_model
-from fedtrust.sim.batched import batched_local_sgd, batched_minibatch_gradients, mean_losses
+from fedtrust.sim.batched import Stacked, batched_local_sgd, batched_minibatch_gradients, mean_losses
 from fedtrust.sim.training import local_sgd, mean_loss, minibatch_gradient
 
 DIGITS = load_digits()
@@ -47,6 +47,18 @@ def test_batched_local_sgd_matches_the_loop(name, dataset, options):
     )
     losses = torch.tensor([mean_loss(model, start, x, y) for x, y in data[:3]])
     torch.testing.assert_close(mean_losses(model, start, data[:3]), losses, rtol=1e-5, atol=1e-6)
+    # a round's clients picked from data stacked once (no copy) give the same as their own list
+    stacked, picked = Stacked(data), [4, 0, 2]
+    torch.testing.assert_close(
+        mean_losses(model, start, stacked.select(picked)),
+        mean_losses(model, start, [data[k] for k in picked]),
+    )
+    torch.testing.assert_close(
+        batched_local_sgd(
+            model, start, stacked.select(picked), 3, 8, 0.05, 1e-3, [gens()[k] for k in picked]
+        ),
+        batched[picked],
+    )
 
 
 @pytest.mark.parametrize("mode", ["params", "gradient", "one_round"])

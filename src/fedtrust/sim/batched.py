@@ -15,18 +15,40 @@ from fedtrust.models import FlatModel
 from fedtrust.sim.training import batches
 
 
-class _Stacked:
-    """The chosen clients' data concatenated, with each client's offset."""
+class Stacked:
+    """Clients' data concatenated once (a simulation builds it at the start, not every round), with each
+    client's offset; :meth:`select` picks a round's clients without copying their rows."""
 
     def __init__(self, data: list[tuple[torch.Tensor, torch.Tensor]]):
         self.x = torch.cat([x for x, _ in data])
         self.y = torch.cat([y for _, y in data])
-        sizes = torch.tensor([len(y) for _, y in data])
-        self.sizes = sizes
-        self.offsets = torch.cumsum(sizes, 0) - sizes
+        self.sizes = torch.tensor([len(y) for _, y in data])
+        self.offsets = torch.cumsum(self.sizes, 0) - self.sizes
+
+    @staticmethod
+    def of(data) -> Stacked:
+        return data if isinstance(data, Stacked) else Stacked(data)
+
+    def select(self, clients: list[int]) -> Stacked:
+        out = object.__new__(Stacked)
+        out.x, out.y = self.x, self.y
+        index = torch.as_tensor(clients, dtype=torch.long)
+        out.sizes, out.offsets = self.sizes[index], self.offsets[index]
+        return out
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def rows(self) -> torch.Tensor | slice:
+        """The selected clients' rows of x and y, in client order (a slice when that is all of them)."""
+        if len(self.sizes) and int(self.sizes.sum()) == len(self.y) and bool((self.offsets.diff() > 0).all()):
+            return slice(None)
+        return torch.cat(
+            [torch.arange(o, o + s) for o, s in zip(self.offsets.tolist(), self.sizes.tolist(), strict=True)]
+        )
 
 
-def _step_plan(stacked: _Stacked, steps: list[list[torch.Tensor]], batch_size: int):
+def _step_plan(stacked: Stacked, steps: list[list[torch.Tensor]], batch_size: int):
     """(m, S, B) global row indices and a (m, S, B) float mask of the real entries."""
     m, s = len(steps), max((len(st) for st in steps), default=0)
     index = torch.zeros(m, s, batch_size, dtype=torch.long)
@@ -49,7 +71,7 @@ def _masked_loss(model: FlatModel):
 def batched_local_sgd(
     model: FlatModel,
     start: torch.Tensor,
-    data: list[tuple[torch.Tensor, torch.Tensor]],
+    data: list[tuple[torch.Tensor, torch.Tensor]] | Stacked,
     epochs: int,
     batch_size: int,
     lr: float,
@@ -57,48 +79,51 @@ def batched_local_sgd(
     generators: list[torch.Generator],
 ) -> torch.Tensor:
     """(m, d): each client's vector after ``epochs`` of mini-batch SGD from ``start`` (as local_sgd)."""
-    stacked = _Stacked(data)
-    steps = [[rows for _ in range(epochs) for rows in batches(len(y), batch_size, g)]
-             for (_, y), g in zip(data, generators, strict=True)]  # fmt: skip
+    stacked = Stacked.of(data)
+    steps = [[rows for _ in range(epochs) for rows in batches(n, batch_size, g)]
+             for n, g in zip(stacked.sizes.tolist(), generators, strict=True)]  # fmt: skip
     index, mask = _step_plan(stacked, steps, batch_size)
-    w = start.detach().expand(len(data), -1).clone()
+    w = start.detach().expand(len(stacked), -1).clone()
     step_grad = vmap(grad(_masked_loss(model)))
     for s in range(index.shape[1]):
         rows, m = index[:, s], mask[:, s]
         g = step_grad(w, stacked.x[rows], stacked.y[rows], m.to(stacked.x.dtype))
         if weight_decay:
-            g = g + weight_decay * w
-        active = (m.sum(1) > 0).to(w.dtype)[:, None]
-        w = w - lr * active * g
+            g.add_(w, alpha=weight_decay)
+        step = -lr * (m.sum(1) > 0).to(w.dtype)[:, None]  # clients out of batches stay put
+        w.addcmul_(step, g)  # in place, one pass: w holds m copies of the model
     return w
 
 
 def batched_minibatch_gradients(
     model: FlatModel,
     at: torch.Tensor,
-    data: list[tuple[torch.Tensor, torch.Tensor]],
+    data: list[tuple[torch.Tensor, torch.Tensor]] | Stacked,
     batch_size: int,
     generators: list[torch.Generator],
 ) -> torch.Tensor:
     """(m, d): each client's gradient on one random mini-batch at ``at`` (as minibatch_gradient)."""
-    stacked = _Stacked(data)
+    stacked = Stacked.of(data)
     steps = [
-        [torch.randperm(len(y), generator=g)[:batch_size]] for (_, y), g in zip(data, generators, strict=True)
+        [torch.randperm(n, generator=g)[:batch_size]]
+        for n, g in zip(stacked.sizes.tolist(), generators, strict=True)
     ]
     index, mask = _step_plan(stacked, steps, batch_size)
     rows, m = index[:, 0], mask[:, 0]
-    w = at.detach().expand(len(data), -1)
+    w = at.detach().expand(len(stacked), -1)
     return vmap(grad(_masked_loss(model)))(w, stacked.x[rows], stacked.y[rows], m.to(stacked.x.dtype))
 
 
 @torch.no_grad()
 def mean_losses(
-    model: FlatModel, at: torch.Tensor, data: list[tuple[torch.Tensor, torch.Tensor]]
+    model: FlatModel, at: torch.Tensor, data: list[tuple[torch.Tensor, torch.Tensor]] | Stacked
 ) -> torch.Tensor:
     """(m,): the mean loss of ``at`` on each client's data, from one pass over all of it."""
-    stacked = _Stacked(data)
-    pieces = zip(stacked.x.split(8192), stacked.y.split(8192), strict=True)
+    stacked = Stacked.of(data)
+    rows = stacked.rows()
+    x, y = stacked.x[rows], stacked.y[rows]
+    pieces = zip(x.split(8192), y.split(8192), strict=True)
     per_sample = torch.cat([model.loss(at, xb, yb, reduction="none") for xb, yb in pieces])
-    owner = torch.repeat_interleave(torch.arange(len(data)), stacked.sizes)
-    totals = torch.zeros(len(data), dtype=per_sample.dtype).index_add_(0, owner, per_sample)
+    owner = torch.repeat_interleave(torch.arange(len(stacked)), stacked.sizes)
+    totals = torch.zeros(len(stacked), dtype=per_sample.dtype).index_add_(0, owner, per_sample)
     return totals / stacked.sizes.clamp_min(1).to(per_sample.dtype)

@@ -21,7 +21,7 @@ from fedtrust.probabilistic.posterior import (
     noise_precision,
     omc_predictive,
 )
-from fedtrust.sim.batched import batched_local_sgd, batched_minibatch_gradients, mean_losses
+from fedtrust.sim.batched import Stacked, batched_local_sgd, batched_minibatch_gradients, mean_losses
 from fedtrust.sim.federation import Federation
 from fedtrust.sim.scoring import detection_auroc
 from fedtrust.sim.seeding import stream
@@ -71,6 +71,7 @@ class Simulation:
         self._posterior_data: list = []
         convolutional = any(isinstance(m, torch.nn.Conv2d) for m in model.module.modules())
         self.batched = settings.executor == "batched" or (settings.executor == "auto" and not convolutional)
+        self._stacked = Stacked(federation.data) if self.batched else None
 
     @property
     def rounds(self) -> int:
@@ -101,9 +102,9 @@ class Simulation:
         idle = self.attack is not None and not getattr(self.attack, "uses_own_update", True)
         train = [i for i, k in enumerate(chosen) if not (idle and bool(self.fed.corrupted[k]))]
         if self.batched:
-            losses = mean_losses(self.model, self.vector, [self.fed.data[k] for k in chosen])
+            losses = mean_losses(self.model, self.vector, self._stacked.select(chosen))
             if train:
-                data = [self.fed.data[chosen[i]] for i in train]
+                data = self._stacked.select([chosen[i] for i in train])
                 gens = [stream(self.seed, "train", t, chosen[i]) for i in train]
                 if s.mode == "gradient":
                     updates[train] = batched_minibatch_gradients(
