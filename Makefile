@@ -18,8 +18,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
-bench: $(STAMP)
+# Speed against the peers (benchmarks/README.md). ByzFL is installed for benchmarks only, without its
+# dependencies (its top-level import pulls torchvision; the benchmark loads its aggregators module).
+bench: $(STAMP) fashion-mnist
+	$(BIN)/python -m pip install --quiet --no-deps byzfl==0.0.11
 	$(BIN)/python benchmarks/aggregation.py
+	$(BIN)/python benchmarks/simulation.py
 
 # Nguyen et al.'s experiments (Table 1 synthetic + Figure 1 variants, one-round adversaries); reports
 # land in experiments/ivar_icov/reports, raw runs in results/ (finished runs are skipped on a re-run).

@@ -1,40 +1,60 @@
-"""Time every fedtrust rule against the memory-bandwidth floor (one pass of the mean).
+"""Every fedtrust rule against the memory-bandwidth floor and against the same rule in ByzFL and Flower.
 
-    python benchmarks/aggregation.py                 # n in {10, 50, 100} x d in {1e5, 1e6, 1e7}
-    python benchmarks/aggregation.py --n 10 --d 1e5  # a quick look
+    python benchmarks/aggregation.py                       # n in {10, 50, 100} x d in {1e5, 1e6, 1e7}
+    python benchmarks/aggregation.py --n 10 --d 1e5        # a quick look
+    python benchmarks/aggregation.py --rules median krum   # some rules
 
-The round is an attacked one, so robust rules take their real paths: n clients, 20% of them send
-vectors ten times larger than the honest N(0, 1) ones. Prints a table of median times and ratios to
-the floor and writes it (with the machine and versions) to benchmarks/results/aggregation.md and .json.
+The round is an attacked one, so robust rules take their real paths: n clients, f = n/5 of them send
+vectors ten times larger than the honest N(0, 1) ones; float32. Per shape it times one pass of
+``x.mean(0)`` (the floor: every rule reads the n x d matrix at least once), then each rule (a fresh
+rule object per call, so window rules see one round) and each peer implementation of it (see
+``peers.py``), and checks that the peer's result agrees with fedtrust's under the same definition.
+Writes benchmarks/results/aggregation.md and .json with the machine and versions.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import fedtrust
 from fedtrust import Round, rule
 from fedtrust.aggregators import RULES
 
-OPTIONS = {"trimmed_mean": "f", "krum": "f", "multi_krum": "f", "bulyan": "f"}
+sys.path.insert(0, str(Path(__file__).parent))
+from peers import peers_for  # noqa: E402
+
+#: Rules whose options take the assumed number of attackers.
+TAKES_F = {"trimmed_mean", "krum", "multi_krum", "bulyan"}
+#: Mean-like rules: one weighted pass, so within 1.5x of the floor.
+MEAN_LIKE = {"mean", "fedavg"}
+#: A single call slower than this is timed once (the peers' slowest paths take minutes at d = 1e7).
+SLOW_SECONDS = 20.0
 
 
-def timed(fn, repeat: int) -> float:
-    fn()  # warm-up
+def timed(call, prepare, repeat: int) -> tuple[float, object]:
+    """Median seconds of ``call(prepare())`` (the set-up untimed), after one warm-up; and the last result."""
+    out = call(prepare())
     times = []
     for _ in range(repeat):
+        arg = prepare()
+        gc.collect()
         start = time.perf_counter()
-        fn()
+        out = call(arg)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        if times[-1] > SLOW_SECONDS:
+            break
+    return statistics.median(times), out
 
 
 def attacked_round(n: int, d: int, seed: int = 0) -> tuple[Round, int]:
@@ -42,13 +62,14 @@ def attacked_round(n: int, d: int, seed: int = 0) -> tuple[Round, int]:
     x = torch.randn(n, d, generator=g)
     f = max(1, n // 5)
     x[:f] *= 10
-    return Round(updates=x), f
+    metrics = {"train_loss": torch.rand(n, generator=g) + 1}
+    return Round(updates=x, metrics=metrics, reference=lambda v: float(v.square().mean())), f
 
 
 def options_for(name: str, n: int, f: int) -> dict:
     if name == "bulyan":
         return {"f": min(f, (n - 3) // 4)}
-    return {"f": f} if name in OPTIONS else {}
+    return {"f": f} if name in TAKES_F else {}
 
 
 def machine() -> dict:
@@ -60,13 +81,150 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {
-        "cpu": cpu,
-        "threads": torch.get_num_threads(),
+    versions = {
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "numpy": np.__version__,
         "fedtrust": fedtrust.__version__,
     }
+    for package in ("byzfl", "flwr"):
+        try:
+            from importlib.metadata import version
+
+            versions[package] = version(package)
+        except Exception:
+            versions[package] = "not installed"
+    return {"cpu": cpu, "threads": torch.get_num_threads(), **versions}
+
+
+def bench_shape(n: int, d: int, names: list[str], repeat: int, with_peers: bool) -> list[dict]:
+    round_, f = attacked_round(n, d)
+    x = round_.updates
+    floor, _ = timed(lambda _: x.mean(0), lambda: None, repeat)
+    counts = np.ones(n, dtype=np.int64)
+    rows = []
+    for name in names:
+        opts = options_for(name, n, f)
+        seconds, out = timed(lambda agg: agg(round_), lambda name=name, opts=opts: rule(name, **opts), repeat)
+        row = {
+            "rule": name,
+            "n": n,
+            "d": d,
+            "options": opts,
+            "seconds": seconds,
+            "floor": floor,
+            "ratio": seconds / floor,
+            "iterations": out.info.get("iterations"),
+            "peers": [],
+        }
+        print(
+            f"n={n:4d} d={d:9.0e} {name:18s} {seconds * 1e3:10.1f} ms {seconds / floor:7.1f}x floor",
+            flush=True,
+        )
+        for peer in peers_for(name, x, f, counts) if with_peers else []:
+            try:
+                peer_seconds, peer_out = timed(peer.run, peer.prepare, repeat)
+            except (
+                Exception
+            ) as exc:  # a peer path that cannot take this input (e.g. torch.quantile's size cap)
+                row["peers"].append({"name": peer.name, "error": f"{type(exc).__name__}: {str(exc)[:80]}"})
+                print(f"      {peer.name:36s} failed: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                continue
+            same = out if peer.ours == opts else rule(name, **peer.ours)(round_)
+            ref = same.vector.numpy().astype(np.float64)
+            agree = float(
+                np.linalg.norm(np.asarray(peer_out, np.float64) - ref) / max(np.linalg.norm(ref), 1e-30)
+            )
+            row["peers"].append(
+                {
+                    "name": peer.name,
+                    "seconds": peer_seconds,
+                    "agreement": agree,
+                    "note": peer.note,
+                    "speedup": peer_seconds / seconds,
+                }
+            )
+            print(
+                f"      {peer.name:36s} {peer_seconds * 1e3:10.1f} ms  "
+                f"fedtrust {peer_seconds / seconds:6.1f}x faster  rel. diff {agree:.1e}",
+                flush=True,
+            )
+            del peer_out
+            gc.collect()
+        rows.append(row)
+        del out
+        gc.collect()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(f"   floor (x.mean(0)) {floor * 1e3:.1f} ms; peak RSS so far {rss:.1f} GiB", flush=True)
+    return rows
+
+
+def fastest_peer(row: dict) -> dict | None:
+    timed_peers = [p for p in row["peers"] if "seconds" in p]
+    return min(timed_peers, key=lambda p: p["seconds"]) if timed_peers else None
+
+
+def goal(row: dict) -> str:
+    """The issue's goal for this rule and shape, and whether it is met."""
+    if row["rule"] in MEAN_LIKE:
+        return ("met" if row["ratio"] <= 1.5 else "MISSED") + " (<= 1.5x floor)"
+    if row["rule"] == "ivar_mle" and row["iterations"] is not None:
+        bound = row["iterations"] + 1
+        return ("met" if row["ratio"] <= bound else "MISSED") + f" (<= {bound}x floor)"
+    peer = fastest_peer(row)
+    if peer is None:
+        return "-"
+    if peer["seconds"] / row["floor"] <= 1.2:
+        return ("met" if row["ratio"] <= 1.2 else "MISSED") + " (peer at floor: <= 1.2x)"
+    return ("met" if peer["speedup"] >= 2 else "MISSED") + " (>= 2x fastest peer)"
+
+
+def write(rows: list[dict], info: dict, out: Path, command: str) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(
+        json.dumps({"machine": info, "command": command, "results": rows}, indent=1)
+    )
+    lines = [
+        "# Aggregation: fedtrust vs the memory-bandwidth floor, ByzFL and Flower",
+        "",
+        f"Machine: {info['cpu']}, {info['threads']} threads. Python {info['python']}, torch {info['torch']}, "
+        f"numpy {info['numpy']}, fedtrust {info['fedtrust']}, ByzFL {info['byzfl']}, flwr {info['flwr']}.",
+        f"Command: `{command}`.",
+        "",
+        "Round: n clients, f = n/5 of them sending 10x larger vectors; float32. Times are medians. "
+        "*floor*: one `x.mean(0)` pass. *peer*: the fastest peer implementation of the same rule "
+        "(ByzFL on torch or numpy input, Flower's strategy `aggregate_train`); *speed-up*: peer time / "
+        "fedtrust time; *rel. diff*: ||peer - fedtrust|| / ||fedtrust|| with fedtrust set to the peer's "
+        "definition.",
+        "",
+    ]
+    shapes = sorted({(r["n"], r["d"]) for r in rows}, key=lambda s: (s[1], s[0]))
+    for n, d in shapes:
+        cells = [r for r in rows if (r["n"], r["d"]) == (n, d)]
+        lines += [
+            f"## n = {n}, d = {d:.0e} (floor {cells[0]['floor'] * 1e3:.2f} ms)",
+            "",
+            "| rule | fedtrust ms | x floor | fastest peer | peer ms | speed-up | rel. diff | goal |",
+            "|---|---:|---:|---|---:|---:|---:|---|",
+        ]
+        for r in cells:
+            p = fastest_peer(r)
+            peer = (
+                f"{p['name']} | {p['seconds'] * 1e3:.1f} | {p['speedup']:.1f}x | {p['agreement']:.0e}"
+                if p
+                else "- | - | - | -"
+            )
+            lines.append(
+                f"| {r['rule']} | {r['seconds'] * 1e3:.1f} | {r['ratio']:.1f} | {peer} | {goal(r)} |"
+            )
+        lines.append("")
+    notes = sorted({(p["name"], p["note"]) for r in rows for p in r["peers"] if p.get("note")})
+    errors = sorted({(p["name"], p["error"]) for r in rows for p in r["peers"] if p.get("error")})
+    if notes or errors:
+        lines += ["## Notes", ""] + [f"- {name}: {note}." for name, note in notes]
+        lines += [f"- {name} failed on some shapes: `{error}`." for name, error in errors]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out.with_suffix('.md')} and .json")
 
 
 def main() -> None:
@@ -75,59 +233,18 @@ def main() -> None:
     )
     parser.add_argument("--n", type=int, nargs="+", default=[10, 50, 100])
     parser.add_argument("--d", type=float, nargs="+", default=[1e5, 1e6, 1e7])
-    parser.add_argument("--rules", nargs="+", default=list(RULES))
+    parser.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES), metavar="RULE")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-peers", dest="peers", action="store_false", help="Time fedtrust only.")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "aggregation")
     args = parser.parse_args()
-
-    results = []
+    command = "python benchmarks/aggregation.py " + " ".join(sys.argv[1:])
+    rows = []
     for d in map(int, args.d):
         for n in args.n:
-            round_, f = attacked_round(n, d)
-            x = round_.updates
-            floor = timed(lambda x=x: x.mean(0), args.repeat)
-            for name in args.rules:
-                opts = options_for(name, n, f)
-                agg = rule(name, **opts)
-                seconds = timed(lambda agg=agg, r=round_: agg(r), args.repeat)
-                row = {"rule": name, "n": n, "d": d, "options": opts, "seconds": seconds, "floor": floor,
-                       "ratio": seconds / floor}  # fmt: skip
-                results.append(row)
-                print(
-                    f"n={n:4d} d={d:9.0e} {name:18s} {seconds * 1e3:10.1f} ms  {seconds / floor:7.1f}x floor",
-                    flush=True,
-                )
-            del round_, x
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-            print(f"   floor (x.mean(0)) {floor * 1e3:.1f} ms; peak RSS so far {rss:.1f} GiB", flush=True)
-
-    info = machine()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"machine": info, "results": results}, indent=1))
-    lines = [
-        "# Aggregation time vs the memory-bandwidth floor",
-        "",
-        f"Machine: {info['cpu']}, {info['threads']} threads; Python {info['python']}, torch {info['torch']}, "
-        f"fedtrust {info['fedtrust']}. Command: `python benchmarks/aggregation.py`.",
-        "",
-        "Round: n clients, 20% of them sending 10x larger vectors; float32. "
-        "Cell: median seconds (ratio to one `x.mean(0)` pass).",
-        "",
-    ]
-    shapes = sorted({(r["n"], r["d"]) for r in results}, key=lambda s: (s[1], s[0]))
-    lines.append("| rule | " + " | ".join(f"n={n}, d={d:.0e}" for n, d in shapes) + " |")
-    lines.append("|---|" + "---|" * len(shapes))
-    floors = {(r["n"], r["d"]): r["floor"] for r in results}
-    lines.append("| *floor: x.mean(0)* | " + " | ".join(f"{floors[s]:.4f}" for s in shapes) + " |")
-    for name in args.rules:
-        cells = {(r["n"], r["d"]): r for r in results if r["rule"] == name}
-        lines.append(
-            f"| {name} | "
-            + " | ".join(f"{cells[s]['seconds']:.4f} ({cells[s]['ratio']:.1f}x)" for s in shapes)
-            + " |"
-        )
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out.with_suffix('.md')} and .json")
+            rows += bench_shape(n, d, args.rules, args.repeat, args.peers)
+            gc.collect()
+    write(rows, machine(), args.out, command.strip())
 
 
 if __name__ == "__main__":
