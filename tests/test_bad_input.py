@@ -112,6 +112,10 @@ def test_overflowing_update_is_quarantined():
     out = rule("geometric_median")(Round(updates=x))
     assert "overflows float32" in out.info["quarantined"][1]
     assert torch.isfinite(out.vector).all()
+    # the mean screens by its result (one pass): a large finite update is harmless to it and is kept
+    out = rule("mean")(Round(updates=x))
+    assert "quarantined" not in out.info
+    torch.testing.assert_close(out.vector, x.mean(0))
 
 
 def test_bad_sample_count_and_bad_metric_are_quarantined():

@@ -1,5 +1,6 @@
 """The shared kernels: chunked paths agree with one-shot ones; distances stay exact under huge outliers."""
 
+import numpy as np
 import pytest
 import reference as ref
 import torch
@@ -8,6 +9,7 @@ from hypothesis import strategies as st
 from test_rule_properties import OPTIONS, benchmark_loss
 
 from fedtrust import Round, available, rule
+from fedtrust.aggregators import kernels
 from fedtrust.aggregators.bulyan import closest_to_median, closest_to_median_by_sort
 from fedtrust.aggregators.kernels import (
     column_chunks,
@@ -19,8 +21,6 @@ from fedtrust.aggregators.kernels import (
 
 @pytest.mark.parametrize("name", available())
 def test_chunked_and_unchunked_paths_agree(name, monkeypatch):
-    from fedtrust.aggregators import kernels
-
     g = torch.Generator().manual_seed(3)
     r = Round(
         updates=torch.randn(11, 37, generator=g, dtype=torch.float64),
@@ -121,3 +121,19 @@ def test_bulyan_closest_to_median_fast_path_agrees_with_sorting(theta, d, seed, 
     slow = closest_to_median_by_sort(x, selected, beta)
     torch.testing.assert_close(fast[0], slow[0])
     torch.testing.assert_close(fast[1], slow[1])
+
+
+@pytest.mark.parametrize("n", range(1, kernels.NETWORK_MAX_CLIENTS + 1))
+def test_sorting_network_sorts_every_zero_one_input(n):
+    # the 0-1 principle: a comparator network that sorts all 2^n binary inputs sorts every input
+    bits = ((np.arange(2**n)[None, :] >> np.arange(n)[:, None]) & 1).astype(np.float32)
+    np.testing.assert_array_equal(kernels.sorted_columns(bits).T, np.sort(bits, axis=0))
+
+
+@pytest.mark.parametrize("n", [3, kernels.NETWORK_MAX_CLIENTS, kernels.NETWORK_MAX_CLIENTS + 1, 40])
+def test_sorted_columns_on_both_paths_leaves_the_input_alone(n):
+    x = np.random.default_rng(n).standard_normal((n, 257)).astype(np.float32)
+    x[:, :5] = 1.0  # ties
+    before = x.copy()
+    np.testing.assert_array_equal(kernels.sorted_columns(x), np.sort(x, axis=0).T)
+    np.testing.assert_array_equal(x, before)

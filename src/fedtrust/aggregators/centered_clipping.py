@@ -9,7 +9,7 @@ import torch
 
 from fedtrust._checks import check_float, check_int
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round
-from fedtrust.aggregators.kernels import weighted_sum_and_distances
+from fedtrust.aggregators.kernels import weighted_sum, weighted_sum_and_distances
 
 
 class CenteredClipping(BaseRule):
@@ -22,7 +22,9 @@ class CenteredClipping(BaseRule):
     deltas) and is carried across rounds: ``state_dict`` holds it.
 
     The output is a combination of the old centre and the updates; a client's trust weight is its
-    normalised coefficient, and ``info["center_weight"]`` is the coefficient left on the old centre.
+    normalised coefficient, and ``info["center_weight"]`` is the coefficient left on the old centre;
+    ``info["clients"]`` has each client's clip factor and the distance it was clipped by (to the centre
+    of the last iteration).
     """
 
     name = "centered_clipping"
@@ -47,12 +49,15 @@ class CenteredClipping(BaseRule):
         coef = torch.zeros(n, dtype=torch.float64, device=x.device)
         center_weight = 1.0
         _, dist, _ = weighted_sum_and_distances(x, None, v)
-        for _ in range(self.n_iter):
+        for it in range(self.n_iter):
             clip = (self.tau / dist.clamp_min(torch.finfo(torch.float64).tiny)).clamp(max=1.0)
             keep = 1.0 - float(clip.mean())
             coef = keep * coef + clip / n
             center_weight *= keep
-            v, dist, _ = weighted_sum_and_distances(x, clip / n, keep * v)
+            if it + 1 < self.n_iter:  # the next iteration clips by the distances to the new centre
+                v, dist, _ = weighted_sum_and_distances(x, clip / n, keep * v)
+            else:  # the last one needs only the sum: two passes over x for the usual n_iter = 1
+                v = keep * v + weighted_sum(x, clip / n)
         self._center = v.detach().clone()
         total = coef.sum()
         weights = coef / total if total > 0 else torch.full_like(coef, 1.0 / n)

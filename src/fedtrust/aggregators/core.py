@@ -240,6 +240,10 @@ def byzantine_budget(
 
 def _screen(round: Round, requires: Sequence[str]) -> dict[int, str]:
     """Indices of malformed clients -> reason. One pass over the updates (row norms)."""
+    return {**_screen_scalars(round, requires), **_screen_updates(round)}
+
+
+def _screen_updates(round: Round) -> dict[int, str]:
     x = round.updates
     bad: dict[int, str] = {}
     norms = torch.linalg.vector_norm(x, dim=1)
@@ -252,6 +256,11 @@ def _screen(round: Round, requires: Sequence[str]) -> dict[int, str]:
         else:
             dtype = str(x.dtype).removeprefix("torch.")
             bad[i] = f"update norm {float(row.double().norm()):.3g} overflows {dtype}"
+    return bad
+
+
+def _screen_scalars(round: Round, requires: Sequence[str]) -> dict[int, str]:
+    bad: dict[int, str] = {}
     counts = round.num_samples
     for i in torch.nonzero(~(torch.isfinite(counts) & (counts >= 0))).flatten().tolist():
         bad.setdefault(i, f"num_samples={counts[i].item()!r} is not a finite non-negative count")
@@ -277,10 +286,19 @@ class BaseRule:
     name: ClassVar[str] = "base"
     paper: ClassVar[str] = ""
     requires: ClassVar[tuple[str, ...]] = ()
+    #: A stateless rule whose aggregate is a positive combination of every update (the mean, FedAvg)
+    #: screens by its result: a NaN or Inf anywhere reaches the aggregate, and only then are the updates
+    #: screened one by one. One pass over the data instead of two; finite updates too large to square in
+    #: the dtype are harmless to a mean and are kept.
+    screen_by_result: ClassVar[bool] = False
 
     def __call__(self, round: Round) -> Aggregate:
         if not isinstance(round, Round):
             raise TypeError(f"{self.name}: expected a fedtrust Round, got {type(round).__name__}")
+        if self.screen_by_result and not _screen_scalars(round, self.requires):
+            out = self.aggregate(round)
+            if math.isfinite(float(out.vector.sum())):  # a NaN or Inf entry makes the sum non-finite
+                return out
         bad = _screen(round, self.requires)
         if not bad:
             return self.aggregate(round)

@@ -93,7 +93,7 @@ def sq_distances_from_gram(g: torch.Tensor) -> torch.Tensor:
     return dist
 
 
-#: Distances come from the raw Gram matrix when no point's squared norm exceeds this many times the
+#: Distances come from the raw Gram matrix when no point's squared norm exceeds this many times its
 #: typical squared distance (update deltas: norms and distances are alike); otherwise from a centred one.
 _RAW_LIMIT = 10.0
 #: Re-anchor the centred Gram matrix when points lie this many times further from the centre than
@@ -102,9 +102,13 @@ _CONDITION_LIMIT = 100.0
 
 
 def _ill_conditioned(g: torch.Tensor, dist: torch.Tensor, limit: float) -> bool:
+    """Whether some point's squared norm exceeds ``limit`` times its own typical squared distance (the
+    20% quantile of its distances to the others): the float32 cancellation in that point's small
+    distances is then too large. Per point, so far-away outliers (large norms, large distances) do not
+    force a recomputation; a common component shared by all points does."""
     n = g.shape[0]
-    off = dist[~torch.eye(n, dtype=torch.bool, device=dist.device)]
-    return bool(g.diagonal().max() > limit * torch.quantile(off, 0.2))
+    off = dist[~torch.eye(n, dtype=torch.bool, device=dist.device)].reshape(n, n - 1)
+    return bool((g.diagonal() > limit * torch.quantile(off, 0.2, dim=1)).any())
 
 
 def pairwise_sq_distances(x: torch.Tensor) -> torch.Tensor:
@@ -182,10 +186,53 @@ def map_column_blocks(
     return torch.from_numpy(out), torch.from_numpy(slots / slots.sum()).to(x.dtype)
 
 
+#: Up to this many clients a block is sorted by a comparator network on whole rows (elementwise
+#: min/max, no transposition); above it by numpy's SIMD row sort of the transposed block.
+NETWORK_MAX_CLIENTS = 12
+
+
+@cache
+def sorting_network(n: int) -> tuple[tuple[int, int], ...]:
+    """Comparators (i, j), i < j, of Batcher's odd-even merge sort on n inputs (the network for the next
+    power of two, minus comparators that touch the padding: padded +inf inputs never move)."""
+    size = 1 << max(0, (n - 1).bit_length())
+    pairs: list[tuple[int, int]] = []
+
+    def merge(lo: int, hi: int, r: int) -> None:
+        step = 2 * r
+        if step < hi - lo:
+            merge(lo, hi, step)
+            merge(lo + r, hi, step)
+            pairs.extend((i, i + r) for i in range(lo + r, hi - r, step))
+        else:
+            pairs.append((lo, lo + r))
+
+    def sort(lo: int, hi: int) -> None:
+        if hi > lo:
+            mid = (lo + hi) // 2
+            sort(lo, mid)
+            sort(mid + 1, hi)
+            merge(lo, hi, 1)
+
+    sort(0, size - 1)
+    return tuple((i, j) for i, j in pairs if j < n)
+
+
 def sorted_columns(x: np.ndarray) -> np.ndarray:
-    """The (c, n) transpose of an (n, c) block with each row sorted: numpy sorts short contiguous rows
-    with SIMD sorting networks, several times faster than selecting along the strided axis."""
-    t = np.array(x.T, order="C")  # always a copy: the caller's block is never reordered
+    """(c, n): each column of the (n, c) block ``x`` sorted (a copy: the caller's block never moves).
+    Few clients: a comparator network on the rows (a transposed view is returned). More: the contiguous
+    transpose with each row sorted by numpy's SIMD sort, several times faster than selecting along the
+    strided axis."""
+    n = x.shape[0]
+    if n <= NETWORK_MAX_CLIENTS:
+        s = np.array(x, order="C")
+        low = np.empty_like(s[0])
+        for i, j in sorting_network(n):
+            np.minimum(s[i], s[j], out=low)
+            np.maximum(s[i], s[j], out=s[j])
+            s[i] = low
+        return s.T
+    t = np.array(x.T, order="C")
     t.sort(axis=1)
     return t
 
@@ -197,12 +244,20 @@ def window_slots(x: np.ndarray, t: np.ndarray, lo: int | np.ndarray, hi: int | n
     n = x.shape[0]
     rows = np.arange(t.shape[0])
     lo_b, hi_b = np.broadcast_to(lo, rows.shape), np.broadcast_to(hi, rows.shape)
-    low, high = t[rows, lo_b], t[rows, hi_b - 1]
-    crossing = np.zeros(rows.shape, dtype=bool)  # a value equal on both sides of an edge
-    inner = lo_b > 0
-    crossing[inner] |= t[rows[inner], lo_b[inner] - 1] == low[inner]
-    outer = hi_b < n
-    crossing[outer] |= t[rows[outer], hi_b[outer]] == high[outer]
+    if np.ndim(lo) == 0 and np.ndim(hi) == 0:  # one window for every column: plain slices
+        low, high = t[:, lo], t[:, hi - 1]
+        crossing = np.zeros(rows.shape, dtype=bool)  # a value equal on both sides of an edge
+        if lo > 0:
+            crossing |= t[:, lo - 1] == low
+        if hi < n:
+            crossing |= t[:, hi] == high
+    else:
+        low, high = t[rows, lo_b], t[rows, hi_b - 1]
+        crossing = np.zeros(rows.shape, dtype=bool)
+        inner = lo_b > 0
+        crossing[inner] |= t[rows[inner], lo_b[inner] - 1] == low[inner]
+        outer = hi_b < n
+        crossing[outer] |= t[rows[outer], hi_b[outer]] == high[outer]
     inside = x >= low
     inside &= x <= high
     slots = np.count_nonzero(inside, axis=1).astype(np.float64)

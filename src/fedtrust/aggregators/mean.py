@@ -12,6 +12,7 @@ class Mean(BaseRule):
     """Uniform average: every reporting client gets weight 1/n."""
 
     name = "mean"
+    screen_by_result = True
     paper = "uniform average (the 'Uniform avg' baseline of Nguyen et al., Table 1)"
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
@@ -24,6 +25,7 @@ class FedAvg(BaseRule):
     (McMahan et al. 2017, eq. in Algorithm 1; eq 2 of Nguyen et al.)."""
 
     name = "fedavg"
+    screen_by_result = True
     paper = "McMahan et al. 2017, Communication-Efficient Learning of Deep Networks from Decentralized Data"
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
