@@ -119,6 +119,21 @@ def test_missing_entries_do_not_bias_the_consensus():
     )
 
 
+@pytest.mark.parametrize("missing", [0.0, 0.3])
+def test_ivar_mle_by_direct_passes_matches_the_gram_path(monkeypatch, missing):
+    from fedtrust.inference import ivar
+
+    x, mask, _, _ = planted(tasks=5, k=50, missing=missing, seed=2)
+    for init in (None, [0.3, math.nan, 1.0, 1.0, 2.0, 5.0]):
+        monkeypatch.setattr(ivar, "DIRECT_MIN_SOURCES", 1000)
+        by_gram = ivar_mle(x, mask, init_noise=init)
+        monkeypatch.setattr(ivar, "DIRECT_MIN_SOURCES", 1)
+        direct = ivar_mle(x, mask, init_noise=init)
+        assert direct.iterations == by_gram.iterations
+        torch.testing.assert_close(direct.consensus, by_gram.consensus)
+        torch.testing.assert_close(direct.noise, by_gram.noise)
+
+
 @pytest.mark.parametrize("fn", [ivar_mle, ivar_vb, icov_mle, icov_vb])
 def test_objective_never_decreases(fn):
     """Each block update maximises the likelihood / free energy in its block."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fedtrust.inference.result import InferenceResult, converged
-from fedtrust.inference.tasks import TaskGram, as_tasks, mean_noise, weighted_sums
+from fedtrust.inference.tasks import TaskGram, TaskPasses, as_tasks, mean_noise, weighted_sums
 
 LOG2PI = math.log(2 * math.pi)
 
@@ -37,7 +37,12 @@ class IvarPast:
         return IvarPast(z, z.clone())
 
 
-def start_noise(t, init_noise, gram: TaskGram | None = None) -> torch.Tensor:
+#: IVAR-MLE iterates by direct passes over the data from this many sources on (a Gram matrix costs
+#: about J / 4 passes, IVAR-MLE typically converges in a handful of iterations); below, on the Gram.
+DIRECT_MIN_SOURCES = 24
+
+
+def start_noise(t, init_noise, gram: TaskGram | TaskPasses | None = None) -> torch.Tensor:
     """Starting sigma_j^2: ``init_noise`` where given (NaN = unknown), else the distance to the plain mean."""
     if init_noise is None:
         return mean_noise(t, gram)
@@ -67,13 +72,15 @@ def ivar_mle(
     step maximises the likelihood in its block, so the trace never decreases. Starts from the plain
     mean unless ``init_noise`` (J,) is given (NaN entries: unknown sources).
 
-    The iterations run on the tasks' Gram matrices (:class:`TaskGram`, one pass over the data), the
-    consensus is formed once at the end: two passes in all, however many iterations.
+    With few sources the iterations run on the tasks' Gram matrices (:class:`TaskGram`: one pass over
+    the data, then O(J^2) per iteration) and the consensus is formed once at the end; with many
+    (``DIRECT_MIN_SOURCES``) each iteration is one fused pass (:class:`TaskPasses`), which also forms
+    the consensus: one pass per iteration (and one more when some given starting noise is unknown).
     """
     t = as_tasks(estimates, mask)
     _, sources, k = t.shape
     m = t.m
-    gram = TaskGram.of(t)
+    gram = TaskPasses(t) if sources >= DIRECT_MIN_SOURCES else TaskGram.of(t)
     past = past or IvarPast.empty(sources, t.x.device)
     noise = torch.ones(sources, dtype=torch.float64, device=t.x.device) if init_noise is None else (
         start_noise(t, init_noise, gram)
@@ -91,8 +98,9 @@ def ivar_mle(
         trace.append(float(ll / count.sum()))
         if converged(trace, tol):
             break
+    consensus = gram.combination if isinstance(gram, TaskPasses) else weighted_sums(t, weights)
     return InferenceResult(
-        consensus=weighted_sums(t, weights),
+        consensus=consensus,
         noise=noise,
         weights=weights,
         trace=trace,

@@ -22,8 +22,15 @@ from fedtrust._checks import check_choice, check_float, check_int
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round
 from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, latent_init
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
+from fedtrust.inference.tasks import Tasks
 
 PAPER = "Nguyen, Lim, Wynter, Cai 2021, Probabilistic Inference for Learning from Untrusted Sources"
+
+
+def _task(round: Round) -> Tasks:
+    """The round as one task with every client present (the front door has screened the updates, so
+    the estimators skip their own finiteness check)."""
+    return Tasks(round.updates[None], torch.ones(1, round.n, dtype=torch.bool, device=round.updates.device))
 
 
 def _trust(coefficients: torch.Tensor) -> torch.Tensor:
@@ -98,7 +105,7 @@ class IvarMLE(_WindowRule):
             torch.tensor([sum(h.get(i, 0.0) for h in self._history) for i in ids], dtype=torch.float64),
             torch.tensor([sum(i in h for h in self._history) for i in ids], dtype=torch.float64),
         )
-        res = ivar_mle(round.updates[None], max_iter=self.max_iter, tol=self.tol, eps=self.eps,
+        res = ivar_mle(_task(round), max_iter=self.max_iter, tol=self.tol, eps=self.eps,
                        init_noise=self._known(ids, "noise"), past=past)  # fmt: skip
         self._history.append(dict(zip(ids, res.past.total.tolist(), strict=True)))
         for i, noise in zip(ids, res.noise.tolist(), strict=True):
@@ -126,7 +133,7 @@ class IvarVB(_WindowRule):
             float(len(self._history)),
         )
         res = ivar_vb(
-            round.updates[None], max_iter=self.max_iter, tol=self.tol, init_noise=self._known(ids, "noise"),
+            _task(round), max_iter=self.max_iter, tol=self.tol, init_noise=self._known(ids, "noise"),
             tau2=self._shared.get("tau2"), past=past,
         )  # fmt: skip
         self._history.append(
@@ -183,7 +190,7 @@ class IcovMLE(_WindowRule):
         if torch.isnan(init["noise"]).any():
             del init["noise"]
         res = icov_mle(
-            round.updates[None], latent_dim=self.latent_dim, max_iter=self.max_iter, steps=self.steps,
+            _task(round), latent_dim=self.latent_dim, max_iter=self.max_iter, steps=self.steps,
             tol=self.tol, seed=self.seed, source_keys=ids, init=init, past=past,
         )  # fmt: skip
         self._history.append((list(ids), res.past.gram[0]))
@@ -234,7 +241,7 @@ class IcovVB(_WindowRule):
                 [self._clients[i]["psi"] if k else eye for i, k in zip(ids, known, strict=True)]
             )
         res = icov_vb(
-            round.updates[None], latent_dim=d, noise=self.noise, max_iter=self.max_iter, tol=self.tol,
+            _task(round), latent_dim=d, noise=self.noise, max_iter=self.max_iter, tol=self.tol,
             seed=self.seed, source_keys=ids, init=init, past=past,
         )  # fmt: skip
         self._history.append((list(ids), res.past))
