@@ -68,3 +68,24 @@ def test_run_command_reports_a_bad_config_with_its_path(tmp_path):
 def test_report_command_on_an_empty_folder(tmp_path):
     result = runner.invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 2 and "no runs" in result.output
+
+
+def test_a_swept_rule_option_is_plotted_against_its_values(tmp_path):
+    # ARFL's Fig. 5: accuracy and weights against lambda, one line for the rule across its lambdas
+    config = tmp_path / "lam.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "name": "lam",
+                "data": {"name": "digits", "clients": 6},
+                "train": {"rounds": 2, "lr": 0.5},
+                "corruption": {"name": "label_shuffle", "fraction": 0.34},
+                "rule": {"name": "arfl"},
+                "sweep": {"rule.lam": [0.5, 5.0, 50.0]},
+            }
+        )
+    )
+    assert runner.invoke(app, ["run", str(config), "--out", str(tmp_path), "--no-progress"]).exit_code == 0
+    assert runner.invoke(app, ["report", str(tmp_path / "lam")]).exit_code == 0
+    text = (tmp_path / "lam" / "report.md").read_text()
+    assert "against rule.lam" in text and (tmp_path / "lam" / "sweep_rule_lam.png").stat().st_size > 0

@@ -48,7 +48,8 @@ def _other_metrics(runs: list[Run], main: str) -> list[str]:
 
 
 def _numeric_sweeps(runs: list[Run]) -> list[str]:
-    """Swept paths (other than the seed and the rule) whose values are numbers taking several values."""
+    """Swept paths (other than the seed and the rule's name) whose values are numbers taking several
+    values; a rule option (``rule.lam``) counts."""
     keys: dict[str, set] = {}
     for r in runs:
         for path, value in r.manifest.get("swept", {}).items():
@@ -58,7 +59,7 @@ def _numeric_sweeps(runs: list[Run]) -> list[str]:
     return [
         k
         for k, values in keys.items()
-        if not is_replicate(k) and k.split(".")[0] != "rule" and None not in values and len(values) > 1
+        if not is_replicate(k) and k != "rule.name" and None not in values and len(values) > 1
     ]
 
 

@@ -135,8 +135,13 @@ def trust_heatmaps(runs: list[Run], path: Path, title: str = "") -> Path:
 
 def sweep_curves(runs: list[Run], path_key: str, path: Path) -> Path:
     """Final metric, and the weight the rule gave corrupted clients, against a numeric swept value: one
-    line per rule (mean over seeds, min-max band), one column per combination of the other swept values."""
+    line per rule (mean over seeds, min-max band), one column per combination of the other swept values.
+    A swept rule option (``rule.lam``) is the x axis of one line per rule and its other options."""
     metric = runs[0].metric
+    option = path_key.split(".", 1)[1] if path_key.startswith("rule.") else None
+
+    def line(run):
+        return run.rule_without(option)
 
     def others(run):
         parts = [
@@ -146,7 +151,7 @@ def sweep_curves(runs: list[Run], path_key: str, path: Path) -> Path:
         return ", ".join(parts) or run.manifest.get("experiment", "")
 
     panels = list(dict.fromkeys(others(r) for r in runs))
-    rules = list(dict.fromkeys(r.rule for r in runs))
+    rules = list(dict.fromkeys(line(r) for r in runs))
     quantities = [(f"final {metric}", Run.final)]
     if any(r.corrupted_weight() is not None for r in runs):
         quantities.append(("weight on corrupted", Run.corrupted_weight))
@@ -160,7 +165,7 @@ def sweep_curves(runs: list[Run], path_key: str, path: Path) -> Path:
                 points: dict[float, list[float]] = {}
                 for r in runs:
                     v = value(r)
-                    if r.rule == rule and others(r) == panel and v is not None:
+                    if line(r) == rule and others(r) == panel and v is not None:
                         points.setdefault(float(r.manifest["swept"][path_key]), []).append(v)
                 if not points:
                     continue

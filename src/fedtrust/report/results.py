@@ -27,8 +27,12 @@ class Run:
     @property
     def rule(self) -> str:
         """The rule with its options, e.g. ``multi_krum(f=0.3)``."""
+        return self.rule_without()
+
+    def rule_without(self, option: str | None = None) -> str:
+        """The rule with its options except ``option`` (the one a sweep varies)."""
         cfg = self.manifest.get("config", {}).get("rule", {"name": "?"})
-        opts = ",".join(f"{k}={v}" for k, v in cfg.items() if k != "name")
+        opts = ",".join(f"{k}={v}" for k, v in cfg.items() if k not in ("name", option))
         return cfg["name"] + (f"({opts})" if opts else "")
 
     @property
