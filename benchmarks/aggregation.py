@@ -9,7 +9,8 @@ vectors ten times larger than the honest N(0, 1) ones; float32. Per shape it tim
 ``x.mean(0)`` (the floor: every rule reads the n x d matrix at least once), then each rule (a fresh
 rule object per call, so window rules see one round) and each peer implementation of it (see
 ``peers.py``), and checks that the peer's result agrees with fedtrust's under the same definition.
-Writes benchmarks/results/aggregation.md and .json with the machine and versions.
+Writes benchmarks/results/aggregation.md and .json with the machine and versions after every rule;
+``--resume`` keeps what the JSON already holds and times only the rest.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ TAKES_F = {"trimmed_mean", "krum", "multi_krum", "bulyan"}
 MEAN_LIKE = {"mean", "fedavg"}
 #: A single call slower than this is timed once (the peers' slowest paths take minutes at d = 1e7).
 SLOW_SECONDS = 20.0
+#: A peer whose time at the previous d, scaled linearly in d, exceeds this is skipped (and says so).
+PEER_BUDGET_SECONDS = 120.0
+#: (peer name, n) -> (d, seconds) of its last timing.
+_PEER_TIMES: dict[tuple[str, int], tuple[int, float]] = {}
 
 
 def timed(call, prepare, repeat: int) -> tuple[float, object]:
@@ -61,6 +66,17 @@ def timed(call, prepare, repeat: int) -> tuple[float, object]:
     finally:
         gc.enable()
     return statistics.median(times), out
+
+
+def available_bytes() -> float:
+    """MemAvailable from /proc/meminfo (inf where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
 
 
 def attacked_round(n: int, d: int, seed: int = 0) -> tuple[Round, int]:
@@ -103,12 +119,15 @@ def machine() -> dict:
     return {"cpu": cpu, "threads": torch.get_num_threads(), **versions}
 
 
-def bench_shape(n: int, d: int, names: list[str], repeat: int, with_peers: bool) -> list[dict]:
+def bench_shape(n: int, d: int, names: list[str], repeat: int, with_peers: bool, on_row) -> None:
+    """Time each rule in ``names`` (and its peers) on one attacked n x d round; ``on_row`` gets each
+    rule's result as soon as it is measured."""
+    if not names:
+        return
     round_, f = attacked_round(n, d)
     x = round_.updates
     floor, _ = timed(lambda _: x.mean(0), lambda: None, repeat)
     counts = np.ones(n, dtype=np.int64)
-    rows = []
     for name in names:
         opts = options_for(name, n, f)
         seconds, out = timed(lambda agg: agg(round_), lambda name=name, opts=opts: rule(name, **opts), repeat)
@@ -129,8 +148,22 @@ def bench_shape(n: int, d: int, names: list[str], repeat: int, with_peers: bool)
         )
         matched: dict[str, tuple[float, object]] = {}
         for peer in peers_for(name, x, f, counts) if with_peers else []:
+            need, free = peer.memory * x.numel() * x.element_size(), available_bytes()
+            if need > 0.9 * free:
+                skip = f"skipped: needs about {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB available"
+                row["peers"].append({"name": peer.name, "skipped": skip})
+                print(f"      {peer.name:36s} {skip}", flush=True)
+                continue
+            if (peer.name, n) in _PEER_TIMES:
+                d_prev, s_prev = _PEER_TIMES[(peer.name, n)]
+                if s_prev * d / d_prev > PEER_BUDGET_SECONDS:
+                    skip = f"skipped: about {s_prev * d / d_prev:.0f} s a call, scaled from d={d_prev:.0e}"
+                    row["peers"].append({"name": peer.name, "skipped": skip})
+                    print(f"      {peer.name:36s} {skip}", flush=True)
+                    continue
             try:
                 peer_seconds, peer_out = timed(peer.run, peer.prepare, repeat)
+                _PEER_TIMES[(peer.name, n)] = (d, peer_seconds)
             except (
                 Exception
             ) as exc:  # a peer path that cannot take this input (e.g. torch.quantile's size cap)
@@ -167,12 +200,11 @@ def bench_shape(n: int, d: int, names: list[str], repeat: int, with_peers: bool)
             )
             del peer_out, same
             gc.collect()
-        rows.append(row)
+        on_row(row)
         del out, matched
         gc.collect()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"   floor (x.mean(0)) {floor * 1e3:.1f} ms; peak RSS so far {rss:.1f} GiB", flush=True)
-    return rows
 
 
 def matched_ms(row: dict, peer: dict) -> str:
@@ -220,6 +252,18 @@ def write(rows: list[dict], info: dict, out: Path, command: str) -> None:
         "definition.",
         "",
     ]
+    recovered = sorted({(r["n"], r["d"]) for r in rows if r.get("recovered")}, key=lambda s: (s[1], s[0]))
+    if recovered:
+        lines += [
+            "The first run was stopped by the kernel's OOM killer at n = 100, d = 1e7 (Flower's Krum stacks "
+            "and squares copies of the 4 GB round; Flower peers are now skipped when they would not fit). "
+            "Its results up to that point were rebuilt from its log (floors from the printed ratios, to "
+            "about 1%): shapes "
+            + ", ".join(f"({n}, {d:.0e})" for n, d in recovered)
+            + "; the rest were timed by "
+            "the resumed run.",
+            "",
+        ]
     shapes = sorted({(r["n"], r["d"]) for r in rows}, key=lambda s: (s[1], s[0]))
     for n, d in shapes:
         cells = [r for r in rows if (r["n"], r["d"]) == (n, d)]
@@ -243,11 +287,14 @@ def write(rows: list[dict], info: dict, out: Path, command: str) -> None:
         lines.append("")
     notes = sorted({(p["name"], p["note"]) for r in rows for p in r["peers"] if p.get("note")})
     errors = sorted({(p["name"], p["error"]) for r in rows for p in r["peers"] if p.get("error")})
-    if notes or errors:
+    skipped = sorted(
+        {(p["name"], r["n"], r["d"], p["skipped"]) for r in rows for p in r["peers"] if p.get("skipped")}
+    )
+    if notes or errors or skipped:
         lines += ["## Notes", ""] + [f"- {name}: {note}." for name, note in notes]
         lines += [f"- {name} failed on some shapes: `{error}`." for name, error in errors]
+        lines += [f"- {name} at n={n}, d={d:.0e}: {why}." for name, n, d, why in skipped]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out.with_suffix('.md')} and .json")
 
 
 def main() -> None:
@@ -260,14 +307,28 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-peers", dest="peers", action="store_false", help="Time fedtrust only.")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "aggregation")
+    parser.add_argument(
+        "--resume", action="store_true", help="Keep the results already in OUT.json and time only the rest."
+    )
     args = parser.parse_args()
     command = "python benchmarks/aggregation.py " + " ".join(sys.argv[1:])
+    previous = args.out.with_suffix(".json")
     rows = []
+    if args.resume and previous.exists():
+        kept = json.loads(previous.read_text())
+        rows, command = kept["results"], f"{kept['command']}; resumed: {command}"
+    info = machine()
+
+    def on_row(row: dict) -> None:  # written after every rule: a crash loses nothing measured
+        rows.append(row)
+        write(rows, info, args.out, command.strip())
+
     for d in map(int, args.d):
         for n in args.n:
-            rows += bench_shape(n, d, args.rules, args.repeat, args.peers)
+            done = {r["rule"] for r in rows if (r["n"], r["d"]) == (n, d)}
+            bench_shape(n, d, [r for r in args.rules if r not in done], args.repeat, args.peers, on_row)
             gc.collect()
-    write(rows, machine(), args.out, command.strip())
+    write(rows, info, args.out, command.strip())
 
 
 if __name__ == "__main__":

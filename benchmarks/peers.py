@@ -33,6 +33,7 @@ class Peer:
     prepare: Callable[[], Any]  # untimed set-up for one call
     ours: dict = field(default_factory=dict)  # fedtrust options that compute the same thing
     note: str = ""
+    memory: float = 3.0  # peak extra memory, in copies of the n x d input
 
 
 def byzfl_aggregators():
@@ -100,7 +101,9 @@ def _flower(
         arrays, _ = agg.aggregate_train(1, replies)
         return arrays["w"].numpy()
 
-    return [Peer(f"Flower {name}", run, lambda: (strategy(), flower_replies(xn, counts)), ours, note)]
+    # the reply Messages, their arrays as numpy, and (distance strategies) a stacked copy and its square
+    memory = 5.0 if name in ("Krum", "MultiKrum", "Bulyan") else 3.0
+    return [Peer(f"Flower {name}", run, lambda: (strategy(), flower_replies(xn, counts)), ours, note, memory)]
 
 
 def peers_for(rule: str, x: torch.Tensor, f: int, counts: np.ndarray) -> list[Peer]:

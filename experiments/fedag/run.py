@@ -185,10 +185,10 @@ def boston(folds: int = 20) -> None:
         )
         print(f"fold {k + 1}/{folds} ({time.time() - began:.0f} s)", flush=True)
     (OUT / "boston.json").write_text(json.dumps(results, indent=1))
-    write_table("Boston housing, 20-fold cross-validation", results, ["nll", "rmse", "sharpness", "crps", "coverage90"],
+    write_table(f"Boston housing, {folds}-fold cross-validation", results, ["nll", "rmse", "sharpness", "crps", "coverage90"],
                 OUT / "boston.md", PAPER_BOSTON,
                 "Mean ± standard error over folds; NLL, RMSE, CRPS and sharpness (DS, eq 8) in the units of the "
-                "target ($1000s). Command: `python experiments/fedag/run.py boston`.")  # fmt: skip
+                f"target ($1000s). Command: `python experiments/fedag/run.py boston --folds {folds}`.")  # fmt: skip
 
 
 ROBUST_BASES = ["mean", "ivar_vb", "geometric_median", "multi_krum"]
@@ -238,8 +238,9 @@ def robust(folds: int = 20) -> None:
             )
     (OUT / "robust.json").write_text(json.dumps(table, indent=1))
     lines = ["# Robust FedAG: 3 of 10 devices corrupted", "",
-             "FedAG's Gaussian posterior fitted with each base rule's trust weights. Boston housing, 20-fold CV "
-             "(mean ± s.e.); the toy (one run) marked [toy]. Command: `python experiments/fedag/run.py robust`.", ""]  # fmt: skip
+             f"FedAG's Gaussian posterior fitted with each base rule's trust weights. Boston housing, {folds}-fold "
+             "CV (mean ± s.e.); the toy (one run) marked [toy]. Command: "
+             f"`python experiments/fedag/run.py robust --folds {folds}`.", ""]  # fmt: skip
     for scenario, results in table.items():
         lines += [
             f"## {scenario}",
