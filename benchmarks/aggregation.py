@@ -42,7 +42,7 @@ MEAN_LIKE = {"mean", "fedavg"}
 #: A single call slower than this is timed once (the peers' slowest paths take minutes at d = 1e7).
 SLOW_SECONDS = 20.0
 #: A peer whose time at the previous d, scaled linearly in d, exceeds this is skipped (and says so).
-PEER_BUDGET_SECONDS = 120.0
+PEER_BUDGET_SECONDS = 60.0
 #: (peer name, n) -> (d, seconds) of its last timing.
 _PEER_TIMES: dict[tuple[str, int], tuple[int, float]] = {}
 

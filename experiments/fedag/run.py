@@ -196,7 +196,7 @@ ROBUST_BASES = ["mean", "ivar_vb", "geometric_median", "multi_krum"]
 
 def robust(folds: int = 20) -> None:
     """FedAG fitted with each base rule's trust weights, 3 of 10 devices corrupted: noisy targets
-    (y + N(0, sd(y)^2)) or Gaussian updates (N(0, 1) vectors in place of their models); clean as reference."""
+    (y + N(0, (3 sd(y))^2)) or Gaussian updates (N(0, 1) vectors in place of their models); clean as reference."""
     scenarios = {"clean": (None, None), "noisy targets (30%)": (data_corruption("target_noise", std=3.0), None),
                  "Gaussian updates (30%)": (None, "gaussian")}  # fmt: skip
     toy_data = cubic_toy()
