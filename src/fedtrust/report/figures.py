@@ -15,6 +15,17 @@ import numpy as np  # noqa: E402
 from fedtrust.report.results import Run, is_replicate  # noqa: E402
 
 
+def _save(fig, axes, used: int, path: Path) -> Path:
+    """Blank the panels past the first ``used``, put the first panel's legend on the right, write PNG."""
+    for ax in list(axes.flat)[used:]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _grid(count: int) -> tuple[int, int]:
     cols = min(count, 3)
     return math.ceil(count / cols), cols
@@ -46,13 +57,7 @@ def metric_curves(runs: list[Run], path: Path) -> Path:
         ax.set_xlabel("round")
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(settings) :]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, axes, len(settings), path)
 
 
 def calibration(runs: list[Run], path: Path) -> Path:
@@ -84,13 +89,7 @@ def calibration(runs: list[Run], path: Path) -> Path:
         ax.set_xlabel("nominal coverage of the central interval")
         ax.set_ylabel("observed coverage")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(settings) :]:
-        ax.axis("off")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, axes, len(settings), path)
 
 
 def trust_heatmaps(runs: list[Run], path: Path, title: str = "") -> Path:
@@ -188,8 +187,4 @@ def sweep_curves(runs: list[Run], path_key: str, path: Path) -> Path:
                 values = sorted({float(r.manifest["swept"][path_key]) for r in runs})
                 if values[0] > 0 and values[-1] / values[0] >= 100:
                     ax.set_xscale("log")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, axes, axes.size, path)
