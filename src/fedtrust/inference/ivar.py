@@ -37,9 +37,10 @@ class IvarPast:
         return IvarPast(z, z.clone())
 
 
-#: IVAR-MLE iterates by direct passes over the data from this many sources on (a Gram matrix costs
-#: about J / 4 passes, IVAR-MLE typically converges in a handful of iterations); below, on the Gram.
-DIRECT_MIN_SOURCES = 24
+#: IVAR-MLE iterates by direct passes over the data from this many sources on; below, on the Gram.
+#: Measured (benchmarks/aggregation.py shapes, 2 threads): a direct pass costs 0.9-1.5 floors, the Gram
+#: 4-9 floors at J = 10-20 (thin GEMMs run far below peak) and grows with J; IVAR-MLE takes 3-5 iterations.
+DIRECT_MIN_SOURCES = 12
 
 
 def start_noise(t, init_noise, gram: TaskGram | TaskPasses | None = None) -> torch.Tensor:

@@ -181,22 +181,30 @@ class TaskPasses:
         i, j, k = t.shape
         f64 = dict(dtype=torch.float64, device=t.x.device)
         first = self._sq_norms is None
-        sq_norms = torch.zeros(i, j, **f64) if first else self._sq_norms
-        dots, y_sq = torch.zeros(i, j, **f64), torch.zeros(i, 1, **f64)
-        y = torch.empty(i, k, dtype=t.x.dtype, device=t.x.device)
+        blocks = self._blocks()
+        # per-chunk partial sums land in float32 buffers (no small ops per chunk) and are summed in float64
+        part = dict(dtype=t.x.dtype, device=t.x.device)
+        dots, y_sq = torch.empty(len(blocks), i, j, **part), torch.empty(len(blocks), i, **part)
+        norms = torch.empty(len(blocks), i, j, **part) if first else None
+        # one buffer for every pass (a fresh 40 MB buffer a pass costs its page faults); the last is kept
+        y = self.combination if self.combination is not None else torch.empty(i, k, **part)
         w = w.to(t.x.dtype)
-        for cols in self._blocks():
+        for b, cols in enumerate(blocks):
             x, yc = t.x[:, :, cols], y[:, cols]
             if i == 1:
                 torch.mv(x[0].T, w[0], out=yc[0])
-                dots[0] += torch.mv(x[0], yc[0]).to(torch.float64)
+                torch.mv(x[0], yc[0], out=dots[b, 0])
+                torch.dot(yc[0], yc[0], out=y_sq[b, 0])
             else:
                 yc.copy_(torch.einsum("ijk,ij->ik", x, w))
-                dots += torch.bmm(x, yc[:, :, None])[..., 0].to(torch.float64)
-            y_sq += yc.to(torch.float64).square().sum(1, keepdim=True)
+                torch.bmm(x, yc[:, :, None], out=dots[b, :, :, None])
+                torch.linalg.vector_norm(yc, dim=1, out=y_sq[b]).square_()
             if first:
-                sq_norms += torch.linalg.vector_norm(x, dim=-1).to(torch.float64).square()
-        self._sq_norms, self.combination = sq_norms, y
+                torch.linalg.vector_norm(x, dim=-1, out=norms[b])
+        if first:
+            self._sq_norms = norms.to(torch.float64).square().sum(0)
+        sq_norms, self.combination = self._sq_norms, y
+        dots, y_sq = dots.to(torch.float64).sum(0), y_sq.to(torch.float64).sum(0)[:, None]
         out = (sq_norms - 2 * dots + y_sq).clamp_min(0)
         unresolved = (out < self.EXPANSION_FLOOR * (sq_norms + y_sq)) & mask.bool()
         if unresolved.any():
