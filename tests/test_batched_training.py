@@ -8,6 +8,7 @@ from fedtrust.data import load_digits, synthetic_linear
 from fedtrust.experiments.config import validate
 from fedtrust.experiments.runner import build_simulation
 from fedtrust.models import build_model
+from fedtrust.sim import batched as executor
 from fedtrust.sim.batched import Stacked, batched_local_sgd, batched_minibatch_gradients, mean_losses
 from fedtrust.sim.training import local_sgd, mean_loss, minibatch_gradient
 
@@ -27,8 +28,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("group_bytes", [1 << 25, 1], ids=["one group", "a client a group"])
 @pytest.mark.parametrize("name, dataset, options", CASES, ids=[c[0] for c in CASES])
-def test_batched_local_sgd_matches_the_loop(name, dataset, options):
+def test_batched_local_sgd_matches_the_loop(name, dataset, options, group_bytes, monkeypatch):
+    monkeypatch.setattr(executor, "GROUP_BYTES", group_bytes)
     model = build_model(name, dataset, **options)
     start = model.init(1)
     data = clients(dataset, [13, 40, 7, 0, 25])  # uneven sizes, a short last batch, an empty client
@@ -65,7 +68,8 @@ def test_batched_local_sgd_matches_the_loop(name, dataset, options):
 def test_simulations_agree_between_executors(mode):
     def run(executor):
         cfg = validate({"name": "e", "data": {"name": "digits", "clients": 6}, "model": {"name": "mlp", "hidden": 16},
-                        "train": {"mode": mode, "rounds": 4, "lr": 0.3, "executor": executor, "fraction": 0.7},
+                        "train": {"mode": mode, "rounds": 4, "lr": 0.3, "executor": executor, "fraction": 0.7,
+                                  "report_loss": "always"},
                         "corruption": {"name": "label_flip", "fraction": 0.34}, "rule": {"name": "median"}})  # fmt: skip
         return build_simulation(cfg).run()
 

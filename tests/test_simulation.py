@@ -137,6 +137,18 @@ def test_liars_report_the_fake_metric_and_honest_clients_the_truth():
     assert all(losses[c] > 1.0 for c in losses if not flags[c])  # an untrained model's cross-entropy
 
 
+@pytest.mark.parametrize("executor", ["loop", "batched"])
+def test_clients_report_losses_only_when_something_reads_them(executor):
+    """The loss pass over every client's data runs for rules that read train_loss (ARFL), on request,
+    and never for FedAvg by default (the round records None)."""
+    def first(**kw):
+        return build_simulation(config(train__rounds=1, train__executor=executor, **kw)).run()[0]["train_loss"]
+
+    assert first(rule__name="fedavg") is None
+    assert len(first(rule__name="arfl")) == 10
+    assert all(v > 1.0 for v in first(rule__name="fedavg", train__report_loss="always"))
+
+
 def test_benchmark_split_is_held_out_and_reference_scores_updates():
     sim = build_simulation(config(data__benchmark=50))
     bx, by = sim.fed.benchmark

@@ -8,6 +8,7 @@ floating-point summation order.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.func import grad, vmap
 
@@ -49,15 +50,21 @@ class Stacked:
 
 
 def _step_plan(stacked: Stacked, steps: list[list[torch.Tensor]], batch_size: int):
-    """(m, S, B) global row indices and a (m, S, B) float mask of the real entries."""
+    """(m, S, B) global row indices and a (m, S, B) float mask of the real entries (numpy scatter: one
+    assignment for every step of every client)."""
     m, s = len(steps), max((len(st) for st in steps), default=0)
-    index = torch.zeros(m, s, batch_size, dtype=torch.long)
-    mask = torch.zeros(m, s, batch_size)
-    for k, client_steps in enumerate(steps):
-        for j, rows in enumerate(client_steps):
-            index[k, j, : len(rows)] = rows + stacked.offsets[k]
-            mask[k, j, : len(rows)] = 1.0
-    return index, mask
+    index = np.zeros((m, s, batch_size), dtype=np.int64)
+    mask = np.zeros((m, s, batch_size), dtype=np.float32)
+    flat = [rows for client_steps in steps for rows in client_steps]
+    if flat:
+        lengths = np.fromiter((len(r) for r in flat), np.int64, len(flat))
+        client = np.repeat(np.arange(m), [len(st) for st in steps])
+        step = np.concatenate([np.arange(len(st)) for st in steps])
+        slot = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        at = (np.repeat(client, lengths), np.repeat(step, lengths), slot)
+        index[at] = torch.cat(flat).numpy() + np.repeat(stacked.offsets.numpy()[client], lengths)
+        mask[at] = 1.0
+    return torch.from_numpy(index), torch.from_numpy(mask)
 
 
 def _masked_loss(model: FlatModel):
@@ -78,19 +85,49 @@ def batched_local_sgd(
     weight_decay: float,
     generators: list[torch.Generator],
 ) -> torch.Tensor:
-    """(m, d): each client's vector after ``epochs`` of mini-batch SGD from ``start`` (as local_sgd)."""
+    """(m, d): each client's vector after ``epochs`` of mini-batch SGD from ``start`` (as local_sgd).
+
+    Clients train in groups whose parameter copies together stay within ``GROUP_BYTES``, one group after
+    another (all of a group's steps at once)."""
     stacked = Stacked.of(data)
     steps = [[rows for _ in range(epochs) for rows in batches(n, batch_size, g)]
              for n, g in zip(stacked.sizes.tolist(), generators, strict=True)]  # fmt: skip
     index, mask = _step_plan(stacked, steps, batch_size)
-    w = start.detach().expand(len(stacked), -1).clone()
+    clients = len(stacked)
+    groups = max(1, -(-clients * model.num_params * start.element_size() // GROUP_BYTES))
+    size = max(1, -(-clients // groups))
+    out = torch.empty(clients, model.num_params, dtype=start.dtype)
+    for lo in range(0, clients, size):
+        part = slice(lo, lo + size)
+        out[part] = _sgd_steps(model, start, stacked, index[part], mask[part], lr, weight_decay)
+    return out
+
+
+#: Bytes of parameter copies trained at once. Above it the per-step weights, gradients and temporaries
+#: leave the cache and each fresh allocation is a new memory mapping (glibc maps blocks over 32 MiB):
+#: Fashion-MNIST MLP (159K parameters, 100 clients) trains 2x faster in two groups of 50 than in one.
+GROUP_BYTES = 1 << 25
+
+
+def _sgd_steps(model, start, stacked: Stacked, index, mask, lr: float, weight_decay: float) -> torch.Tensor:
+    """Plain SGD for one group of clients along its step plan (index, mask: (m, S, B))."""
+    m, _, batch_size = index.shape
+    live = mask.sum(2) > 0  # (m, S): client k takes step s
+    steps = int(live.any(0).nonzero().max()) + 1 if bool(live.any()) else 0
+    w = start.detach().expand(m, -1).clone()
     step_grad = vmap(grad(_masked_loss(model)))
-    for s in range(index.shape[1]):
-        rows, m = index[:, s], mask[:, s]
-        g = step_grad(w, stacked.x[rows], stacked.y[rows], m.to(stacked.x.dtype))
+    # every step's mini-batches are gathered into the same buffers (index_select with out=: half the time
+    # of fancy indexing into a fresh tensor)
+    xb = torch.empty(m * batch_size, *stacked.x.shape[1:], dtype=stacked.x.dtype)
+    yb = torch.empty(m * batch_size, dtype=stacked.y.dtype)
+    for s in range(steps):
+        torch.index_select(stacked.x, 0, index[:, s].reshape(-1), out=xb)
+        torch.index_select(stacked.y, 0, index[:, s].reshape(-1), out=yb)
+        g = step_grad(w, xb.view(m, batch_size, *xb.shape[1:]), yb.view(m, batch_size),
+                      mask[:, s].to(stacked.x.dtype))  # fmt: skip
         if weight_decay:
             g.add_(w, alpha=weight_decay)
-        step = -lr * (m.sum(1) > 0).to(w.dtype)[:, None]  # clients out of batches stay put
+        step = -lr * live[:, s].to(w.dtype)[:, None]  # clients out of batches stay put
         w.addcmul_(step, g)  # in place, one pass: w holds m copies of the model
     return w
 

@@ -40,7 +40,9 @@ class Lie:
 
 class Simulation:
     """One simulated run. Clients report ``train_loss``: the mean loss of the global model they received
-    on their local training data, measured before local training (ARFL's L_i, FOCUS's LL^k). The round's
+    on their local training data, measured before local training (ARFL's L_i, FOCUS's LL^k), when the
+    rule reads it, liars misreport a loss, or ``train.report_loss`` is ``always`` (a forward pass over
+    every client's data; otherwise the round records None). The round's
     ``reference`` (when the server holds a benchmark split) maps an update to the benchmark loss of the
     model that update would produce.
 
@@ -72,6 +74,11 @@ class Simulation:
         convolutional = any(isinstance(m, torch.nn.Conv2d) for m in model.module.modules())
         self.batched = settings.executor == "batched" or (settings.executor == "auto" and not convolutional)
         self._stacked = Stacked(federation.data) if self.batched else None
+        self.report_loss = (
+            settings.report_loss == "always"
+            or "train_loss" in getattr(rule, "requires", ())
+            or lie is not None  # liars misreport a loss: honest clients report theirs
+        )
 
     @property
     def rounds(self) -> int:
@@ -93,16 +100,18 @@ class Simulation:
         m = max(1, round(self.settings.fraction * k))
         return sorted(torch.randperm(k, generator=stream(self.seed, "sample", t))[:m].tolist())
 
-    def local_updates(self, t: int, chosen: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each chosen client's honest update and its reported train_loss (corrupted clients whose attack
-        ignores their own update skip the training)."""
+    def local_updates(self, t: int, chosen: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each chosen client's honest update and its reported train_loss (None unless ``report_loss``;
+        corrupted clients whose attack ignores their own update skip the training)."""
         s = self.settings
         start = self.initial if s.mode == "one_round" else self.vector
         updates = torch.zeros(len(chosen), self.model.num_params)
         idle = self.attack is not None and not getattr(self.attack, "uses_own_update", True)
         train = [i for i, k in enumerate(chosen) if not (idle and bool(self.fed.corrupted[k]))]
         if self.batched:
-            losses = mean_losses(self.model, self.vector, self._stacked.select(chosen))
+            losses = None
+            if self.report_loss:
+                losses = mean_losses(self.model, self.vector, self._stacked.select(chosen))
             if train:
                 data = self._stacked.select([chosen[i] for i in train])
                 gens = [stream(self.seed, "train", t, chosen[i]) for i in train]
@@ -116,10 +125,11 @@ class Simulation:
                     )
                     updates[train] = new - start
             return updates, losses
-        losses = torch.empty(len(chosen))
+        losses = torch.empty(len(chosen)) if self.report_loss else None
         for i, k in enumerate(chosen):
             x, y = self.fed.data[k]
-            losses[i] = mean_loss(self.model, self.vector, x, y)
+            if losses is not None:
+                losses[i] = mean_loss(self.model, self.vector, x, y)
             if i not in train:
                 continue
             g = stream(self.seed, "train", t, k)
@@ -179,7 +189,7 @@ class Simulation:
         if self.attack is not None and bool(bad.any()):
             ctx = AttackContext(updates, bad, self.vector, self.settings.mode, stream(self.seed, "attack", t))
             updates[bad] = self.attack(ctx).to(updates.dtype)
-        metrics = {"train_loss": losses.clone()}
+        metrics = {} if losses is None else {"train_loss": losses.clone()}
         if self.lie is not None and bool(bad.any()):
             metrics.setdefault(self.lie.metric, losses.clone())[bad] = self.lie.value
         reference = None
@@ -227,7 +237,7 @@ class Simulation:
             "num_samples": [sizes[k] for k in chosen],
             "corrupted": corrupted,
             "weights": weights,
-            "train_loss": metrics["train_loss"].tolist(),
+            "train_loss": metrics["train_loss"].tolist() if "train_loss" in metrics else None,
             "auroc": None if error else detection_auroc(weights, corrupted),
             "quarantined": quarantined,
             "info": info,

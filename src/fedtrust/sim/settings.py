@@ -34,6 +34,11 @@ class TrainSettings(BaseModel):
         description="batched: all clients' local steps as one vmapped computation; loop: one at a time; "
         "auto: batched unless the model has convolutions (vmapped convolutions are slower on a CPU)",
     )
+    report_loss: Literal["auto", "always"] = Field(
+        "auto",
+        description="clients report train_loss (their data's loss at the received model, one forward pass "
+        "over it) always, or (auto) only when the rule reads it (ARFL, FOCUS) or liars misreport a loss",
+    )
     checkpoint_every: int = Field(5, ge=1)
     predictive: Literal["bootstrap", "omc", "linear"] = Field(
         "bootstrap",
