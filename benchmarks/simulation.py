@@ -46,16 +46,44 @@ def spec(data: str, model: str, clients: int, rounds: int) -> dict:
     }
 
 
-def run_fedtrust(raw: dict, executor: str) -> tuple[float, torch.Tensor]:
-    """Rounds per second over rounds 2..R and the final global vector."""
+def run_fedtrust(raw: dict, executor: str, min_seconds: float) -> tuple[float, torch.Tensor]:
+    """Rounds per second over rounds 2.. (at least R rounds and ``min_seconds`` of timed rounds, so fast
+    rounds are timed over many) and the global vector after round R."""
     raw = {**raw, "train": {**raw["train"], "executor": executor}}
     sim = build_simulation(validate(raw))
     sim.evaluate = lambda t: {}  # no evaluation, as on the Flower side
-    ends = []
-    for t in range(1, sim.rounds + 1):
+    ends, t, final = [], 0, None
+    while t < sim.rounds or ends[-1] - ends[0] < min_seconds:
+        t += 1
         sim.step(t)
         ends.append(time.perf_counter())
-    return (len(ends) - 1) / (ends[-1] - ends[0]), sim.vector
+        if t == sim.rounds:
+            final = sim.vector.clone()
+    return (len(ends) - 1) / (ends[-1] - ends[0]), final
+
+
+def round_floor(raw: dict) -> float:
+    """Seconds for the arithmetic of one round without per-client structure: one epoch over every
+    client's rows, batches of clients x B rows, forward and backward with one shared weight vector
+    (median of 5). Every executor does at least this work; Flower's round time over it bounds any
+    speed-up."""
+    sim = build_simulation(validate(raw))
+    x = torch.cat([a for a, _ in sim.fed.data])
+    y = torch.cat([b for _, b in sim.fed.data])
+    rows = raw["data"]["clients"] * raw["train"]["batch_size"]
+    w = sim.vector.clone().requires_grad_(True)
+
+    def epoch():
+        for xb, yb in zip(x.split(rows), y.split(rows), strict=True):
+            torch.autograd.grad(sim.model.loss(w, xb, yb), w)
+
+    epoch()
+    times = []
+    for _ in range(5):
+        began = time.perf_counter()
+        epoch()
+        times.append(time.perf_counter() - began)
+    return sorted(times)[2]
 
 
 def run_flower(raw: dict) -> tuple[float, torch.Tensor]:
@@ -87,6 +115,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=6, help="rounds per run (round 1 is not timed)")
+    parser.add_argument("--min-seconds", type=float, default=3.0, help="least timed seconds per fedtrust run")
     parser.add_argument("--no-flower", dest="flower", action="store_false")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "simulation")
     args = parser.parse_args()
@@ -96,16 +125,18 @@ def main() -> None:
         for model in args.models:
             raw = spec(data, model, args.clients, args.rounds)
             row = {"data": data, "model": model, "clients": args.clients, "rounds": args.rounds}
-            row["batched"], batched_vector = run_fedtrust(raw, "batched")
-            row["loop"], _ = run_fedtrust(raw, "loop")
+            row["batched"], batched_vector = run_fedtrust(raw, "batched", args.min_seconds)
+            row["loop"], _ = run_fedtrust(raw, "loop", args.min_seconds)
+            row["floor"] = round_floor(raw)
             print(
                 f"{data:14s} {model:8s} fedtrust batched {row['batched']:8.2f} rounds/s, "
-                f"loop {row['loop']:6.2f} rounds/s",
+                f"loop {row['loop']:6.2f} rounds/s, floor {row['floor'] * 1e3:.1f} ms/round",
                 flush=True,
             )
             if args.flower:
                 row["flower"], flower_vector = run_flower(raw)
                 row["speedup"] = row["batched"] / row["flower"]
+                row["ceiling"] = 1 / (row["flower"] * row["floor"])
                 row["agreement"] = float((flower_vector - batched_vector).norm() / batched_vector.norm())
                 print(
                     f"{'':23s} Flower {row['flower']:8.3f} rounds/s: fedtrust {row['speedup']:.1f}x, "
@@ -133,18 +164,24 @@ def write(args, rows: list[dict]) -> None:
         "",
         f"{args.clients} clients, all training every round, IID, E = 1, B = 32, SGD lr 0.05, FedAvg, "
         "no evaluation; rounds 2..R timed. *rel. diff*: ||Flower - fedtrust|| / ||fedtrust|| of the final "
-        "models (identical mini-batches on both sides).",
+        "models (identical mini-batches on both sides). *floor*: the round's arithmetic without per-client "
+        "structure (one epoch over all rows in batches of clients x B, one shared weight); *ceiling*: "
+        "Flower's round time / floor, the most any executor could gain over Flower here.",
         "",
-        "| data | model | fedtrust batched | fedtrust loop | Flower | speed-up | rel. diff |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| data | model | fedtrust batched (rounds/s) | fedtrust loop | floor (ms/round) | Flower | speed-up "
+        "| ceiling | rel. diff |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         flower = (
-            f"{r['flower']:.3f} | {r['speedup']:.1f}x | {r['agreement']:.0e}"
+            f"{r['flower']:.3f} | {r['speedup']:.1f}x | {r['ceiling']:.0f}x | {r['agreement']:.0e}"
             if "flower" in r
-            else "- | - | -"
+            else "- | - | - | -"
         )
-        lines.append(f"| {r['data']} | {r['model']} | {r['batched']:.2f} | {r['loop']:.2f} | {flower} |")
+        lines.append(
+            f"| {r['data']} | {r['model']} | {r['batched']:.2f} | {r['loop']:.2f} | {r['floor'] * 1e3:.1f} "
+            f"| {flower} |"
+        )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out.with_suffix('.md')} and .json")
 

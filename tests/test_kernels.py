@@ -12,6 +12,7 @@ from fedtrust import Round, available, rule
 from fedtrust.aggregators import kernels
 from fedtrust.aggregators.bulyan import closest_to_median, closest_to_median_by_sort
 from fedtrust.aggregators.kernels import (
+    CombinationPasses,
     column_chunks,
     pairwise_sq_distances,
     rank_window,
@@ -31,6 +32,7 @@ def test_chunked_and_unchunked_paths_agree(name, monkeypatch):
     whole = rule(name, **OPTIONS.get(name, {}))(r)
     monkeypatch.setattr(kernels, "CHUNK_BYTES", 11 * 8 * 3)  # 3 columns a chunk, the last one short
     monkeypatch.setattr(kernels, "SELECT_CHUNK_BYTES", 11 * 8 * 3)
+    monkeypatch.setattr(kernels.CombinationPasses, "CHUNK", 11 * 8 * 3)
     assert len(list(column_chunks(r.updates))) == 13
     chunked = rule(name, **OPTIONS.get(name, {}))(r)
     torch.testing.assert_close(chunked.vector, whole.vector)
@@ -137,3 +139,31 @@ def test_sorted_columns_on_both_paths_leaves_the_input_alone(n):
     before = x.copy()
     np.testing.assert_array_equal(kernels.sorted_columns(x), np.sort(x, axis=0).T)
     np.testing.assert_array_equal(x, before)
+
+
+@pytest.mark.parametrize("common", [0.0, 1e4], ids=["deltas", "raw parameters"])
+@pytest.mark.parametrize("shape", [(9, 1000), (3, 5, 1000)], ids=["points", "tasks"])
+def test_combination_passes_give_exact_distances(common, shape, monkeypatch):
+    """The fused pass's expansion ||x||^2 - 2 x.z + ||z||^2 matches explicit float64 differences, also when
+    every point shares a large common component (the expansion cancels: those distances are redone), with
+    an offset, and with the step from a previous combination; chunked as one shot."""
+    monkeypatch.setattr(CombinationPasses, "CHUNK", 4 * 3 * 9 * 7)  # several chunks, the last one short
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(*shape, generator=g) + common
+    x[..., 0, :] *= 50  # an outlier
+    w = torch.rand(*shape[:-1], generator=g, dtype=torch.float64)
+    w /= w.sum(-1, keepdim=True)
+    offset = torch.randn(*shape[:-2], shape[-1], generator=g)
+    passes = CombinationPasses(x)
+    x64 = x.double()
+    first, _, _ = passes(w)
+    z, sq, step = passes(w, offset=offset, previous=first)
+    want = torch.einsum("...jk,...j->...k", x64, w) + offset.double()
+    torch.testing.assert_close(z.double(), want, rtol=1e-5, atol=1e-4 * (1 + common))
+    torch.testing.assert_close(sq, (x64 - z.double().unsqueeze(-2)).square().sum(-1), rtol=1e-4, atol=1e-3)
+    assert step == pytest.approx(float((z.double() - first.double()).norm()), rel=1e-5)
+    torch.testing.assert_close(passes.norms(), x64.norm(dim=-1), rtol=1e-6, atol=0)
+    _, to_point, _ = passes(None, offset=offset)  # distances to a given point
+    torch.testing.assert_close(
+        to_point, (x64 - offset.double().unsqueeze(-2)).square().sum(-1), rtol=1e-4, atol=1e-3
+    )

@@ -141,8 +141,11 @@ def test_liars_report_the_fake_metric_and_honest_clients_the_truth():
 def test_clients_report_losses_only_when_something_reads_them(executor):
     """The loss pass over every client's data runs for rules that read train_loss (ARFL), on request,
     and never for FedAvg by default (the round records None)."""
+
     def first(**kw):
-        return build_simulation(config(train__rounds=1, train__executor=executor, **kw)).run()[0]["train_loss"]
+        return build_simulation(config(train__rounds=1, train__executor=executor, **kw)).run()[0][
+            "train_loss"
+        ]
 
     assert first(rule__name="fedavg") is None
     assert len(first(rule__name="arfl")) == 10

@@ -9,7 +9,7 @@ import torch
 
 from fedtrust._checks import check_float, check_int
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round
-from fedtrust.aggregators.kernels import weighted_sum, weighted_sum_and_distances
+from fedtrust.aggregators.kernels import CombinationPasses, weighted_sum
 
 
 class CenteredClipping(BaseRule):
@@ -39,23 +39,28 @@ class CenteredClipping(BaseRule):
         x = round.updates
         n = round.n
         v = self._center
-        if v is None:
+        passes = CombinationPasses(x)
+        if v is None:  # the first round: the centre is zero and the distances are the norms
             v = torch.zeros(round.d, dtype=x.dtype, device=x.device)
+            dist = passes.norms()
         elif v.numel() != round.d:
             raise ValueError(
                 f"{self.name}: the stored centre has d={v.numel()} but this round has d={round.d}"
             )
-        v = v.to(device=x.device, dtype=x.dtype)
+        else:
+            v = v.to(device=x.device, dtype=x.dtype)
+            _, sq, _ = passes(None, offset=v)
+            dist = sq.sqrt()
         coef = torch.zeros(n, dtype=torch.float64, device=x.device)
         center_weight = 1.0
-        _, dist, _ = weighted_sum_and_distances(x, None, v)
         for it in range(self.n_iter):
             clip = (self.tau / dist.clamp_min(torch.finfo(torch.float64).tiny)).clamp(max=1.0)
             keep = 1.0 - float(clip.mean())
             coef = keep * coef + clip / n
             center_weight *= keep
             if it + 1 < self.n_iter:  # the next iteration clips by the distances to the new centre
-                v, dist, _ = weighted_sum_and_distances(x, clip / n, keep * v)
+                v, sq, _ = passes(clip / n, offset=keep * v)
+                dist = sq.sqrt()
             else:  # the last one needs only the sum: two passes over x for the usual n_iter = 1
                 v = keep * v + weighted_sum(x, clip / n)
         self._center = v.detach().clone()

@@ -6,7 +6,7 @@ import torch
 
 from fedtrust._checks import check_float, check_int
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round
-from fedtrust.aggregators.kernels import weighted_sum_and_distances
+from fedtrust.aggregators.kernels import CombinationPasses
 from fedtrust.aggregators.mean import sample_weights
 
 
@@ -49,14 +49,17 @@ class GeometricMedian(BaseRule):
         else:
             alpha = torch.full((n,), 1.0 / n, dtype=torch.float64, device=x.device)
         beta = alpha
-        z, dist, _ = weighted_sum_and_distances(x, beta)
+        passes = CombinationPasses(x)  # one fused pass per step; the norms of x are taken once
+        z, sq, _ = passes(beta)
+        dist = sq.sqrt()
         trace = [float(alpha @ dist)]
         converged, iterations, step = False, 0, float("nan")
         while iterations < self.max_iter:
             beta = alpha / dist.clamp_min(self.nu)
             beta = beta / beta.sum()
             scale = float(beta @ dist)
-            z, dist, step = weighted_sum_and_distances(x, beta, previous=z)
+            z, sq, step = passes(beta, previous=z)
+            dist = sq.sqrt()
             iterations += 1
             trace.append(float(alpha @ dist))
             if step <= self.tol * scale:

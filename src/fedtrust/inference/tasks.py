@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedtrust.aggregators.kernels import CombinationPasses
+
 #: Bytes of the estimates one chunk of coordinates covers (its temporaries stay in cache).
 CHUNK_BYTES = 1 << 22
 
@@ -147,73 +149,22 @@ class TaskGram:
         return (s + s.transpose(1, 2)) / 2
 
 
-#: Bytes per chunk of a fused pass (the chunk is read twice, the second time from cache).
-FUSED_CHUNK_BYTES = 1 << 22
-
-
 class TaskPasses:
     """The direct alternative to :class:`TaskGram`: each evaluation of the residuals is one fused pass
-    over the data (per cache-sized chunk of coordinates, form the combination, then the distances to
-    it). Cheaper than a Gram matrix (about J / 4 passes of arithmetic) for many sources and few
-    iterations, as in IVAR-MLE. The last combination formed is kept (``combination``), so the consensus
-    of the final weights costs no further pass."""
-
-    #: Residuals below this fraction of ||x_ij||^2 + ||y_i||^2 are recomputed by explicit differences
-    #: (the expansion ||x||^2 - 2 x.y + ||y||^2 cancels in float32 when a large common component is
-    #: shared, as with raw parameters rather than updates).
-    EXPANSION_FLOOR = 1e-2
+    over the data (:class:`~fedtrust.aggregators.kernels.CombinationPasses`: per cache-sized chunk of
+    coordinates, form the combination, then the distances to it). Cheaper than a Gram matrix for many
+    sources and few iterations, as in IVAR-MLE. The last combination formed is kept (``combination``),
+    so the consensus of the final weights costs no further pass."""
 
     def __init__(self, t: Tasks):
-        self.t = t
+        self.passes = CombinationPasses(t.x)
         self.combination: torch.Tensor | None = None
-        self._sq_norms: torch.Tensor | None = None  # (I, J) ||x_ij||^2, from the first pass
-
-    def _blocks(self):
-        i, j, k = self.t.shape
-        width = max(1, FUSED_CHUNK_BYTES // max(1, i * j * self.t.x.element_size()))
-        return [slice(s, min(k, s + width)) for s in range(0, k, width)]
 
     def residuals(self, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(I, J): ||x_ij - sum_l w_il x_il||^2 where present, zero elsewhere. Per chunk: the combination
-        and each x_ij's inner product with it (the chunk is then in cache), by the expansion; entries
-        that the expansion cannot resolve are redone by differences."""
-        t = self.t
-        i, j, k = t.shape
-        f64 = dict(dtype=torch.float64, device=t.x.device)
-        first = self._sq_norms is None
-        blocks = self._blocks()
-        # per-chunk partial sums land in float32 buffers (no small ops per chunk) and are summed in float64
-        part = dict(dtype=t.x.dtype, device=t.x.device)
-        dots, y_sq = torch.empty(len(blocks), i, j, **part), torch.empty(len(blocks), i, **part)
-        norms = torch.empty(len(blocks), i, j, **part) if first else None
-        # one buffer for every pass (a fresh 40 MB buffer a pass costs its page faults); the last is kept
-        y = self.combination if self.combination is not None else torch.empty(i, k, **part)
-        w = w.to(t.x.dtype)
-        for b, cols in enumerate(blocks):
-            x, yc = t.x[:, :, cols], y[:, cols]
-            if i == 1:
-                torch.mv(x[0].T, w[0], out=yc[0])
-                torch.mv(x[0], yc[0], out=dots[b, 0])
-                torch.dot(yc[0], yc[0], out=y_sq[b, 0])
-            else:
-                yc.copy_(torch.einsum("ijk,ij->ik", x, w))
-                torch.bmm(x, yc[:, :, None], out=dots[b, :, :, None])
-                torch.linalg.vector_norm(yc, dim=1, out=y_sq[b]).square_()
-            if first:
-                torch.linalg.vector_norm(x, dim=-1, out=norms[b])
-        if first:
-            self._sq_norms = norms.to(torch.float64).square().sum(0)
-        sq_norms, self.combination = self._sq_norms, y
-        dots, y_sq = dots.to(torch.float64).sum(0), y_sq.to(torch.float64).sum(0)[:, None]
-        out = (sq_norms - 2 * dots + y_sq).clamp_min(0)
-        unresolved = (out < self.EXPANSION_FLOOR * (sq_norms + y_sq)) & mask.bool()
-        if unresolved.any():
-            exact = torch.zeros(i, j, **f64)
-            for cols in self._blocks():
-                diff = t.x[:, :, cols] - y[:, None, cols]
-                exact += torch.linalg.vector_norm(diff, dim=-1).to(torch.float64).square()
-            out = torch.where(unresolved, exact, out)
-        return out * mask
+        """(I, J): ||x_ij - sum_l w_il x_il||^2 where present, zero elsewhere (one fused pass; the
+        combination reuses one buffer: a fresh 40 MB buffer a pass costs its page faults)."""
+        self.combination, sq, _ = self.passes(w, out=self.combination)
+        return sq * mask
 
 
 def residual_sq(t: Tasks, y: torch.Tensor) -> torch.Tensor:
