@@ -119,7 +119,15 @@ def machine() -> dict:
     return {"cpu": cpu, "threads": torch.get_num_threads(), **versions}
 
 
-def bench_shape(n: int, d: int, names: list[str], repeat: int, with_peers: bool, on_row) -> None:
+def bench_shape(
+    n: int,
+    d: int,
+    names: list[str],
+    repeat: int,
+    with_peers: bool,
+    on_row,
+    peer_budget: float = PEER_BUDGET_SECONDS,
+) -> None:
     """Time each rule in ``names`` (and its peers) on one attacked n x d round; ``on_row`` gets each
     rule's result as soon as it is measured."""
     if not names:
@@ -156,7 +164,7 @@ def bench_shape(n: int, d: int, names: list[str], repeat: int, with_peers: bool,
                 continue
             if (peer.name, n) in _PEER_TIMES:
                 d_prev, s_prev = _PEER_TIMES[(peer.name, n)]
-                if s_prev * d / d_prev > PEER_BUDGET_SECONDS:
+                if s_prev * d / d_prev > peer_budget:
                     skip = f"skipped: about {s_prev * d / d_prev:.0f} s a call, scaled from d={d_prev:.0e}"
                     row["peers"].append({"name": peer.name, "skipped": skip})
                     print(f"      {peer.name:36s} {skip}", flush=True)
@@ -266,7 +274,9 @@ def write(rows: list[dict], info: dict, out: Path, command: str) -> None:
         ]
     shapes = sorted({(r["n"], r["d"]) for r in rows}, key=lambda s: (s[1], s[0]))
     for n, d in shapes:
-        cells = [r for r in rows if (r["n"], r["d"]) == (n, d)]
+        cells = sorted(
+            (r for r in rows if (r["n"], r["d"]) == (n, d)), key=lambda r: list(RULES).index(r["rule"])
+        )
         lines += [
             f"## n = {n}, d = {d:.0e} (floor {cells[0]['floor'] * 1e3:.2f} ms)",
             "",
@@ -310,6 +320,17 @@ def main() -> None:
     parser.add_argument(
         "--resume", action="store_true", help="Keep the results already in OUT.json and time only the rest."
     )
+    parser.add_argument(
+        "--replace",
+        action="store_true",
+        help="With --resume: drop the kept results of --rules at the --n x --d shapes and time them again.",
+    )
+    parser.add_argument(
+        "--peer-budget",
+        type=float,
+        default=PEER_BUDGET_SECONDS,
+        help="Skip a peer whose call, scaled from the previous d, would take longer (seconds).",
+    )
     args = parser.parse_args()
     command = "python benchmarks/aggregation.py " + " ".join(sys.argv[1:])
     previous = args.out.with_suffix(".json")
@@ -317,6 +338,9 @@ def main() -> None:
     if args.resume and previous.exists():
         kept = json.loads(previous.read_text())
         rows, command = kept["results"], f"{kept['command']}; resumed: {command}"
+        if args.replace:
+            again = {(rule, n, int(d)) for rule in args.rules for n in args.n for d in args.d}
+            rows = [r for r in rows if (r["rule"], r["n"], r["d"]) not in again]
     info = machine()
 
     def on_row(row: dict) -> None:  # written after every rule: a crash loses nothing measured
@@ -326,7 +350,8 @@ def main() -> None:
     for d in map(int, args.d):
         for n in args.n:
             done = {r["rule"] for r in rows if (r["n"], r["d"]) == (n, d)}
-            bench_shape(n, d, [r for r in args.rules if r not in done], args.repeat, args.peers, on_row)
+            todo = [r for r in args.rules if r not in done]
+            bench_shape(n, d, todo, args.repeat, args.peers, on_row, args.peer_budget)
             gc.collect()
     write(rows, info, args.out, command.strip())
 

@@ -103,20 +103,26 @@ class TaskGram:
     @staticmethod
     def of(t: Tasks) -> TaskGram:
         i, j, _ = t.x.shape
-        f64 = dict(dtype=torch.float64, device=t.x.device)
-        centred, cross, mean_sq = torch.zeros(i, j, j, **f64), torch.zeros(i, j, **f64), torch.zeros(i, **f64)
+        like = dict(dtype=t.x.dtype, device=t.x.device)
         mask = None if bool(t.mask.all()) else t.mask[:, :, None].to(t.x.dtype)
         plain = (t.m / t.m.sum(1, keepdim=True)).to(t.x.dtype)
-        for cols in t.chunks():
+        chunks = list(t.chunks())
+        # per-chunk float32 products land in buffers summed in float64 once; the residuals reuse one buffer
+        parts = len(chunks)
+        centred, cross = torch.empty(parts, i, j, j, **like), torch.empty(parts, i, j, 1, **like)
+        mean_sq = torch.empty(parts, i, **like)
+        residual = torch.empty(i, j, chunks[0].stop - chunks[0].start, **like)
+        for b, cols in enumerate(chunks):
             x = t.x[:, :, cols]
             c = torch.einsum("ijk,ij->ik", x, plain)
-            r = x - c[:, None, :]
+            r = torch.sub(x, c[:, None, :], out=residual[:, :, : x.shape[2]])
             if mask is not None:
                 r.mul_(mask)
-            centred += torch.bmm(r, r.transpose(1, 2)).to(torch.float64)
-            cross += torch.einsum("ijk,ik->ij", r, c).to(torch.float64)
-            mean_sq += c.to(torch.float64).square().sum(1)
-        return TaskGram(centred, cross, mean_sq)
+            torch.bmm(r, r.transpose(1, 2), out=centred[b])
+            torch.bmm(r, c[:, :, None], out=cross[b])
+            torch.linalg.vector_norm(c, dim=1, out=mean_sq[b]).square_()
+        f64 = torch.float64
+        return TaskGram(centred.to(f64).sum(0), cross[..., 0].to(f64).sum(0), mean_sq.to(f64).sum(0))
 
     def form(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """(I, a, b): P_i' X_i X_i' Q_i for coefficient matrices P (I, J, a) and Q (I, J, b)."""
