@@ -240,6 +240,30 @@ def goal(row: dict) -> str:
     return ("met" if peer["speedup"] >= 2 else "MISSED") + " (>= 2x fastest peer)"
 
 
+def summary(rows: list[dict]) -> list[str]:
+    """One cell per rule and shape: the speed-up over the fastest peer where the goal is about peers,
+    else the time in floors (F); a cross marks a missed goal."""
+    shapes = sorted({(r["n"], r["d"]) for r in rows}, key=lambda s: (s[1], s[0]))
+    by_key = {(r["rule"], r["n"], r["d"]): r for r in rows}
+    lines = [
+        "| rule | " + " | ".join(f"{n} x {d:.0e}" for n, d in shapes) + " |",
+        "|---|" + "---:|" * len(shapes),
+    ]
+    for name in [name for name in RULES if any(r["rule"] == name for r in rows)]:
+        cells = []
+        for n, d in shapes:
+            r = by_key.get((name, n, d))
+            if r is None:
+                cells.append("")
+                continue
+            peer = fastest_peer(r)
+            by_peer = peer is not None and name not in MEAN_LIKE and name != "ivar_mle"
+            cell = f"{peer['speedup']:.1f}x" if by_peer else f"{r['ratio']:.1f}F"
+            cells.append(cell + (" ✗" if goal(r).startswith("MISSED") else ""))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def write(rows: list[dict], info: dict, out: Path, command: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(
@@ -258,6 +282,16 @@ def write(rows: list[dict], info: dict, out: Path, command: str) -> None:
         "fedtrust time, fedtrust run with the peer's settings where they differ from the defaults (ms in "
         "brackets); *rel. diff*: ||peer - fedtrust|| / ||fedtrust|| with fedtrust set to the peer's "
         "definition.",
+        "",
+    ]
+    lines += [
+        "## Summary",
+        "",
+        "Speed-up over the fastest peer implementation of the same rule (goal >= 2x, or <= 1.2 floors where "
+        "the peer is already there), or for the mean, FedAvg, IVAR-MLE and rules without a peer the time in "
+        "floors F (goals: mean-like <= 1.5 F, IVAR-MLE <= (iterations + 1) F). ✗: goal missed.",
+        "",
+        *summary(rows),
         "",
     ]
     recovered = sorted({(r["n"], r["d"]) for r in rows if r.get("recovered")}, key=lambda s: (s[1], s[0]))
