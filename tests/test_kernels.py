@@ -167,3 +167,15 @@ def test_combination_passes_give_exact_distances(common, shape, monkeypatch):
     torch.testing.assert_close(
         to_point, (x64 - offset.double().unsqueeze(-2)).square().sum(-1), rtol=1e-4, atol=1e-3
     )
+
+
+def test_a_rounds_norms_are_taken_once_and_follow_a_selection():
+    """The front door's screening takes the updates' norms (float64 sums of chunked float32 norms); rules
+    reuse them, and a round restricted to the clean clients carries them over instead of a new pass."""
+    x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(1)) * 3 + 1
+    r = Round(updates=x)
+    torch.testing.assert_close(r.norms, x.double().norm(dim=1), rtol=1e-6, atol=0)
+    assert r.norms is r.norms
+    clean = r.select([3, 1])
+    assert "norms" in vars(clean)
+    torch.testing.assert_close(clean.norms, r.norms[[3, 1]])

@@ -39,8 +39,8 @@ class CenteredClipping(BaseRule):
         x = round.updates
         n = round.n
         v = self._center
-        passes = CombinationPasses(x)
-        if v is None:  # the first round: the centre is zero and the distances are the norms
+        passes = CombinationPasses(x, norms=round.norms)  # taken by the front door's screening
+        if v is None:  # the first round: the centre is zero and the distances are the norms (no pass)
             v = torch.zeros(round.d, dtype=x.dtype, device=x.device)
             dist = passes.norms()
         elif v.numel() != round.d:

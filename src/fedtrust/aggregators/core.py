@@ -16,12 +16,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from fedtrust._checks import check_float, check_int
+from fedtrust.aggregators.kernels import row_norms
 
 __all__ = [
     "Aggregate",
@@ -156,6 +158,12 @@ class Round:
     def n(self) -> int:
         return self.updates.shape[0]
 
+    @cached_property
+    def norms(self) -> torch.Tensor:
+        """(n,) float64 norms of the updates (:func:`~fedtrust.aggregators.kernels.row_norms`), taken
+        once: the front door's screening computes them and rules that need norms reuse them."""
+        return row_norms(self.updates)
+
     @property
     def d(self) -> int:
         return self.updates.shape[1]
@@ -164,7 +172,7 @@ class Round:
         """The same round restricted to the clients at ``index`` (in that order)."""
         idx = torch.as_tensor(index, dtype=torch.long, device=self.updates.device)
         pos = idx.tolist()
-        return Round(
+        out = Round(
             updates=self.updates.index_select(0, idx),
             client_ids=[self.client_ids[i] for i in pos],
             num_samples=self.num_samples.index_select(0, idx),
@@ -172,6 +180,9 @@ class Round:
             reference=self.reference,
             previous=self.previous,
         )
+        if "norms" in self.__dict__:  # already taken: carried over, not recomputed
+            out.__dict__["norms"] = self.norms.index_select(0, idx)
+        return out
 
 
 @dataclass
@@ -246,7 +257,7 @@ def _screen(round: Round, requires: Sequence[str]) -> dict[int, str]:
 def _screen_updates(round: Round) -> dict[int, str]:
     x = round.updates
     bad: dict[int, str] = {}
-    norms = torch.linalg.vector_norm(x, dim=1)
+    norms = round.norms
     limit = math.sqrt(torch.finfo(x.dtype).max)
     for i in torch.nonzero(~(norms <= limit)).flatten().tolist():  # NaN-safe: NaN <= limit is False
         row = x[i]

@@ -49,7 +49,7 @@ class GeometricMedian(BaseRule):
         else:
             alpha = torch.full((n,), 1.0 / n, dtype=torch.float64, device=x.device)
         beta = alpha
-        passes = CombinationPasses(x)  # one fused pass per step; the norms of x are taken once
+        passes = CombinationPasses(x, norms=round.norms)  # one fused pass a step; norms from the screening
         z, sq, _ = passes(beta)
         dist = sq.sqrt()
         trace = [float(alpha @ dist)]

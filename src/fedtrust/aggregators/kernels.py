@@ -29,6 +29,18 @@ def column_chunks(x: torch.Tensor) -> Iterator[slice]:
         yield slice(start, min(d, start + width))
 
 
+def row_norms(x: torch.Tensor) -> torch.Tensor:
+    """float64 Euclidean norms over the last dimension of ``x`` ((n, d) -> (n,), (I, J, K) -> (I, J)):
+    float32 norms per column chunk (one vectorised kernel, no temporary) summed in float64; one float32
+    norm over 1e7 entries at once is off by up to 4e-4. A chunk whose norm overflows the dtype gives inf."""
+    k = x.shape[-1]
+    width = max(1, CHUNK_BYTES // max(1, x[..., :1].numel() * x.element_size()))
+    sq = torch.zeros(x.shape[:-1], dtype=torch.float64, device=x.device)
+    for start in range(0, k, width):
+        sq += torch.linalg.vector_norm(x[..., start : start + width], dim=-1).to(torch.float64).square()
+    return sq.sqrt()
+
+
 def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``sum_i w_i x_i`` as one matrix-vector product (a single pass over ``x``)."""
     return w.to(x.dtype) @ x
@@ -52,24 +64,22 @@ class CombinationPasses:
     #: Bytes of x per chunk (read twice, the second time from cache).
     CHUNK = 1 << 22
 
-    def __init__(self, x: torch.Tensor):
+    def __init__(self, x: torch.Tensor, norms: torch.Tensor | None = None):
+        """``norms``: the points' norms if already known (a Round's screening pass takes them), else
+        the first pass does."""
         self.flat = x.dim() == 2
         self.x = x if x.dim() == 3 else x[None]
-        self.sq_norms: torch.Tensor | None = None  # (I, J) float64, from the first pass
         i, j, k = self.x.shape
+        # (I, J) float64 squared norms, given or from the first pass
+        self.sq_norms = None if norms is None else norms.to(torch.float64).square().reshape(i, j)
         width = max(1, self.CHUNK // max(1, i * j * x.element_size()))
         self.blocks = [slice(s, min(k, s + width)) for s in range(0, k, width)]
 
     def norms(self) -> torch.Tensor:
-        """(n,) or (I, J) float64 norms of the points: float32 norms per chunk (one vectorised kernel, no
-        temporary; a float32 norm over 1e7 entries at once is off by up to 4e-4) summed in float64. One
-        pass the first time (or none after a call), then kept."""
+        """(n,) or (I, J) float64 norms of the points (:func:`row_norms`): one pass the first time unless
+        they were given or a call took them, then kept."""
         if self.sq_norms is None:
-            i, j, _ = self.x.shape
-            sq = torch.zeros(i, j, dtype=torch.float64, device=self.x.device)
-            for cols in self.blocks:
-                sq += torch.linalg.vector_norm(self.x[:, :, cols], dim=-1).to(torch.float64).square()
-            self.sq_norms = sq
+            self.sq_norms = row_norms(self.x).square()
         out = self.sq_norms.sqrt()
         return out[0] if self.flat else out
 

@@ -29,8 +29,9 @@ PAPER = "Nguyen, Lim, Wynter, Cai 2021, Probabilistic Inference for Learning fro
 
 def _task(round: Round) -> Tasks:
     """The round as one task with every client present (the front door has screened the updates, so
-    the estimators skip their own finiteness check)."""
-    return Tasks(round.updates[None], torch.ones(1, round.n, dtype=torch.bool, device=round.updates.device))
+    the estimators skip their own finiteness check, and its norms come along)."""
+    present = torch.ones(1, round.n, dtype=torch.bool, device=round.updates.device)
+    return Tasks(round.updates[None], present, round.norms[None])
 
 
 def _trust(coefficients: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,13 @@ CHUNK_BYTES = 1 << 22
 
 @dataclass(frozen=True)
 class Tasks:
-    """x: (I, J, K) estimates (zero where missing); mask: (I, J), True where source j reported on task i."""
+    """x: (I, J, K) estimates (zero where missing); mask: (I, J), True where source j reported on task i;
+    norms: optional (I, J) float64 norms of the estimates when already known (an aggregation round's
+    screening takes them), so passes over the data need not."""
 
     x: torch.Tensor
     mask: torch.Tensor
+    norms: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -163,7 +166,7 @@ class TaskPasses:
     so the consensus of the final weights costs no further pass."""
 
     def __init__(self, t: Tasks):
-        self.passes = CombinationPasses(t.x)
+        self.passes = CombinationPasses(t.x, norms=t.norms)
         self.combination: torch.Tensor | None = None
 
     def residuals(self, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
