@@ -33,18 +33,21 @@ def test_demo_runs_every_rule_and_robust_rules_shut_out_label_flippers(tmp_path)
     assert (tmp_path / "demo" / "report.md").exists() and (tmp_path / "demo" / "curves.png").exists()
 
 
+def digits_config(tmp_path, name: str, rounds: int, **rest):
+    """A tiny six-client digits experiment config written to ``tmp_path / name.yaml``."""
+    config = tmp_path / f"{name}.yaml"
+    spec = {"name": name, "data": {"name": "digits", "clients": 6}, "train": {"rounds": rounds, "lr": 0.5}}
+    config.write_text(yaml.safe_dump({**spec, **rest}))
+    return config
+
+
 def test_run_and_report_commands(tmp_path):
-    config = tmp_path / "tiny.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "name": "tiny",
-                "data": {"name": "digits", "clients": 6},
-                "train": {"rounds": 3, "lr": 0.5},
-                "corruption": {"name": "crash", "fraction": 0.34},
-                "sweep": {"rule.name": ["mean", "median"]},
-            }
-        )
+    config = digits_config(
+        tmp_path,
+        "tiny",
+        3,
+        corruption={"name": "crash", "fraction": 0.34},
+        sweep={"rule.name": ["mean", "median"]},
     )
     result = runner.invoke(app, ["run", str(config), "--out", str(tmp_path), "--no-progress"])
     assert result.exit_code == 0, result.output
@@ -72,18 +75,13 @@ def test_report_command_on_an_empty_folder(tmp_path):
 
 def test_a_swept_rule_option_is_plotted_against_its_values(tmp_path):
     # ARFL's Fig. 5: accuracy and weights against lambda, one line for the rule across its lambdas
-    config = tmp_path / "lam.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "name": "lam",
-                "data": {"name": "digits", "clients": 6},
-                "train": {"rounds": 2, "lr": 0.5},
-                "corruption": {"name": "label_shuffle", "fraction": 0.34},
-                "rule": {"name": "arfl"},
-                "sweep": {"rule.lam": [0.5, 5.0, 50.0]},
-            }
-        )
+    config = digits_config(
+        tmp_path,
+        "lam",
+        2,
+        corruption={"name": "label_shuffle", "fraction": 0.34},
+        rule={"name": "arfl"},
+        sweep={"rule.lam": [0.5, 5.0, 50.0]},
     )
     assert runner.invoke(app, ["run", str(config), "--out", str(tmp_path), "--no-progress"]).exit_code == 0
     assert runner.invoke(app, ["report", str(tmp_path / "lam")]).exit_code == 0
