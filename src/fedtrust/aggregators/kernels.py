@@ -344,7 +344,7 @@ def window_slots(x: np.ndarray, t: np.ndarray, lo: int | np.ndarray, hi: int | n
     if ties.size:
         c = x[:, ties]
         slots -= np.count_nonzero((c >= low[ties]) & (c <= high[ties]), axis=1)
-        slots += _tied_slots(x[:, ties], low[ties], high[ties], lo_b[ties], hi_b[ties])
+        slots += _tied_slots(c, low[ties], high[ties], lo_b[ties], hi_b[ties])
     return slots
 
 
