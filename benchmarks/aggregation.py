@@ -119,6 +119,19 @@ def machine() -> dict:
     return {"cpu": cpu, "threads": torch.get_num_threads(), **versions}
 
 
+def skip_reason(peer, n: int, d: int, x: torch.Tensor, budget: float) -> str | None:
+    """Why ``peer`` is not timed on this round: it would not fit in memory, or its time at the previous d,
+    scaled linearly, exceeds ``budget`` seconds; None to time it."""
+    need, free = peer.memory * x.numel() * x.element_size(), available_bytes()
+    if need > 0.9 * free:
+        return f"skipped: needs about {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB available"
+    if (peer.name, n) in _PEER_TIMES:
+        d_prev, s_prev = _PEER_TIMES[(peer.name, n)]
+        if s_prev * d / d_prev > budget:
+            return f"skipped: about {s_prev * d / d_prev:.0f} s a call, scaled from d={d_prev:.0e}"
+    return None
+
+
 def bench_shape(
     n: int,
     d: int,
@@ -156,19 +169,11 @@ def bench_shape(
         )
         matched: dict[str, tuple[float, object]] = {}
         for peer in peers_for(name, x, f, counts) if with_peers else []:
-            need, free = peer.memory * x.numel() * x.element_size(), available_bytes()
-            if need > 0.9 * free:
-                skip = f"skipped: needs about {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB available"
+            skip = skip_reason(peer, n, d, x, peer_budget)
+            if skip:
                 row["peers"].append({"name": peer.name, "skipped": skip})
                 print(f"      {peer.name:36s} {skip}", flush=True)
                 continue
-            if (peer.name, n) in _PEER_TIMES:
-                d_prev, s_prev = _PEER_TIMES[(peer.name, n)]
-                if s_prev * d / d_prev > peer_budget:
-                    skip = f"skipped: about {s_prev * d / d_prev:.0f} s a call, scaled from d={d_prev:.0e}"
-                    row["peers"].append({"name": peer.name, "skipped": skip})
-                    print(f"      {peer.name:36s} {skip}", flush=True)
-                    continue
             try:
                 peer_seconds, peer_out = timed(peer.run, peer.prepare, repeat)
                 _PEER_TIMES[(peer.name, n)] = (d, peer_seconds)
@@ -294,18 +299,6 @@ def write(rows: list[dict], info: dict, out: Path, command: str) -> None:
         *summary(rows),
         "",
     ]
-    recovered = sorted({(r["n"], r["d"]) for r in rows if r.get("recovered")}, key=lambda s: (s[1], s[0]))
-    if recovered:
-        lines += [
-            "The first run was stopped by the kernel's OOM killer at n = 100, d = 1e7 (Flower's Krum stacks "
-            "and squares copies of the 4 GB round; Flower peers are now skipped when they would not fit). "
-            "Its results up to that point were rebuilt from its log (floors from the printed ratios, to "
-            "about 1%): shapes "
-            + ", ".join(f"({n}, {d:.0e})" for n, d in recovered)
-            + "; the rest were timed by "
-            "the resumed run.",
-            "",
-        ]
     shapes = sorted({(r["n"], r["d"]) for r in rows}, key=lambda s: (s[1], s[0]))
     for n, d in shapes:
         cells = sorted(

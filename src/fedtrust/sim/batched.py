@@ -121,8 +121,9 @@ def _sgd_steps(model, start, stacked: Stacked, index, mask, lr: float, weight_de
     xb = torch.empty(m * batch_size, *stacked.x.shape[1:], dtype=stacked.x.dtype)
     yb = torch.empty(m * batch_size, dtype=stacked.y.dtype)
     for s in range(steps):
-        torch.index_select(stacked.x, 0, index[:, s].reshape(-1), out=xb)
-        torch.index_select(stacked.y, 0, index[:, s].reshape(-1), out=yb)
+        rows = index[:, s].reshape(-1)
+        torch.index_select(stacked.x, 0, rows, out=xb)
+        torch.index_select(stacked.y, 0, rows, out=yb)
         g = step_grad(w, xb.view(m, batch_size, *xb.shape[1:]), yb.view(m, batch_size),
                       mask[:, s].to(stacked.x.dtype))  # fmt: skip
         if weight_decay:
