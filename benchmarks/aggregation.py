@@ -1,13 +1,14 @@
 """Every fedtrust rule against the memory-bandwidth floor and against the same rule in ByzFL and Flower.
 
     python benchmarks/aggregation.py                       # n in {10, 50, 100} x d in {1e5, 1e6, 1e7}
-    python benchmarks/aggregation.py --n 10 --d 1e5        # a quick look
+    python benchmarks/aggregation.py --n 10 --d 1e5 --out /tmp/look   # a quick look, results kept
     python benchmarks/aggregation.py --rules median krum   # some rules
 
 The round is an attacked one, so robust rules take their real paths: n clients, f = n/5 of them send
 vectors ten times larger than the honest N(0, 1) ones; float32. Per shape it times one pass of
 ``x.mean(0)`` (the floor: every rule reads the n x d matrix at least once), then each rule (a fresh
-rule object per call, so window rules see one round) and each peer implementation of it (see
+rule object and a fresh Round per call, so window rules see one round and every call screens its
+round; the floor is timed after the same set-up) and each peer implementation of it (see
 ``peers.py``), and checks that the peer's result agrees with fedtrust's under the same definition.
 Writes benchmarks/results/aggregation.md and .json with the machine and versions after every rule;
 ``--resume`` keeps what the JSON already holds and times only the rest.
@@ -49,14 +50,14 @@ _PEER_TIMES: dict[tuple[str, int], tuple[int, float]] = {}
 
 def timed(call, prepare, repeat: int) -> tuple[float, object]:
     """Median seconds of ``call(prepare())`` (the set-up untimed), after one warm-up; and the last result.
-    At least ``repeat`` calls and, for fast calls, up to 50 until 0.25 s have been timed. The garbage
+    At least ``repeat`` calls and, for fast calls, up to 1000 until 0.25 s have been timed. The garbage
     collector is off while timing, as in ``timeit``."""
     out = call(prepare())
     times = []
     gc.collect()
     gc.disable()
     try:
-        while len(times) < repeat or (sum(times) < 0.25 and len(times) < 50):
+        while len(times) < repeat or (sum(times) < 0.25 and len(times) < 1000):
             arg = prepare()
             start = time.perf_counter()
             out = call(arg)
@@ -147,11 +148,22 @@ def bench_shape(
         return
     round_, f = attacked_round(n, d)
     x = round_.updates
-    floor, _ = timed(lambda _: x.mean(0), lambda: None, repeat)
+
+    def setup(name: str, opts: dict):
+        """A fresh rule and a fresh Round of the same data: the Round keeps what a call took (its norms),
+        and a server meets every round once."""
+        return rule(name, **opts), Round(updates=x, metrics=round_.metrics, reference=round_.reference)
+
+    def call(prepared):
+        agg, fresh = prepared
+        return agg(fresh)
+
+    # timed after the same set-up as the rules, so both start from the same caches
+    floor, _ = timed(lambda _: x.mean(0), lambda: setup("mean", {}), repeat)
     counts = np.ones(n, dtype=np.int64)
     for name in names:
         opts = options_for(name, n, f)
-        seconds, out = timed(lambda agg: agg(round_), lambda name=name, opts=opts: rule(name, **opts), repeat)
+        seconds, out = timed(call, lambda name=name, opts=opts: setup(name, opts), repeat)
         row = {
             "rule": name,
             "n": n,
@@ -188,9 +200,7 @@ def bench_shape(
             if rule(name, **peer.ours).options() == rule(name, **opts).options():
                 matched[key] = (seconds, out)
             elif key not in matched:
-                matched[key] = timed(
-                    lambda agg: agg(round_), lambda o=peer.ours, name=name: rule(name, **o), repeat
-                )
+                matched[key] = timed(call, lambda o=peer.ours, name=name: setup(name, o), repeat)
             ours_seconds, same = matched[key]
             ref = same.vector.numpy().astype(np.float64)
             agree = float(

@@ -209,3 +209,51 @@ def test_every_rule_builds_with_defaults_and_says_where_it_comes_from(name):
     r = rule(name)
     assert r.name == name and r.paper
     assert isinstance(r.state_dict(), dict)
+
+
+SCREEN_IN_FIRST_PASS = [name for name in available() if rule(name).screens_in_first_pass]
+
+
+def test_the_iterative_rules_screen_in_their_first_pass():
+    assert set(SCREEN_IN_FIRST_PASS) == {
+        "geometric_median", "centered_clipping", "ivar_mle", "ivar_vb", "icov_mle", "icov_vb",
+        "krum", "multi_krum", "bulyan",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SCREEN_IN_FIRST_PASS)
+@pytest.mark.parametrize("n", [8, 14])  # IVAR-MLE: the Gram path and the direct passes
+def test_a_rule_that_screens_in_its_first_pass_costs_no_screening_pass_and_quarantines_the_same(
+    name, n, monkeypatch
+):
+    """On a clean round the front door takes no norms itself: the rule's first pass hands them over. On a
+    poisoned round the rule is stopped after that pass and run on the rest: over two rounds its
+    aggregates equal the clean clients' alone (its state was not touched by the stopped run), and its
+    ``aggregate`` called directly on the poisoned round refuses it. The quarantined client counts against
+    a Byzantine budget f, as always."""
+    import fedtrust.aggregators.core as core
+
+    options = {"f": 1} if "f" in rule(name).options() else OPTIONS.get(name, {})
+    clean_options = {"f": 0} if "f" in options else options
+
+    screening = []
+    monkeypatch.setattr(core, "row_norms", lambda x: screening.append(1) or x.double().norm(dim=1))
+    g = torch.Generator().manual_seed(2)
+    rounds = [torch.randn(n, 50, generator=g) + 0.1 * k for k in range(2)]
+    clean_round = Round(updates=rounds[0])
+    rule(name, **options)(clean_round)
+    assert not screening and "norms" in vars(clean_round)
+    torch.testing.assert_close(clean_round.norms, rounds[0].double().norm(dim=1))
+
+    poisoned, clean = rule(name, **options), rule(name, **clean_options)
+    keep = [i for i in range(n) if i != 3]
+    for x in rounds:
+        bad = x.clone()
+        bad[3, 7] = math.nan
+        out = poisoned(Round(updates=bad))
+        assert "non-finite" in out.info["quarantined"][3]
+        ref = clean(Round(updates=x[keep], client_ids=keep))
+        torch.testing.assert_close(out.vector, ref.vector)
+        torch.testing.assert_close(out.weights[keep], ref.weights)
+    with pytest.raises(core.UnscreenedUpdates, match="call the rule itself"):
+        rule(name, **options).aggregate(Round(updates=bad))

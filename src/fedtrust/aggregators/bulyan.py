@@ -44,6 +44,7 @@ class Bulyan(BaseRule):
     """
 
     name = "bulyan"
+    screens_in_first_pass = True
     paper = (
         "El Mhamdi, Guerraoui, Rouault 2018, The Hidden Vulnerability of Distributed Learning in Byzantium"
     )
@@ -52,13 +53,12 @@ class Bulyan(BaseRule):
         self.f = check_f(self.name, f)
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
+        # the distances first: their pass screens the round (a quarantine changes the budget)
+        dist = pairwise_sq_distances(round.updates, round.norms_for_pass().get("on_norms"))
         f = byzantine_budget(self.name, self.f, round, n_quarantined, "n >= 4f + 3", lambda f: 4 * f + 3)
         theta = round.n - 2 * f
         beta = theta - 2 * f
-        selected = torch.as_tensor(
-            sorted(recursive_krum(pairwise_sq_distances(round.updates), f, theta)),
-            device=round.updates.device,
-        )
+        selected = torch.as_tensor(sorted(recursive_krum(dist, f, theta)), device=round.updates.device)
 
         if round.updates.device.type == "cpu":
             vector, weights = map_column_blocks(

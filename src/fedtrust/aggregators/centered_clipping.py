@@ -28,6 +28,7 @@ class CenteredClipping(BaseRule):
     """
 
     name = "centered_clipping"
+    screens_in_first_pass = True
     paper = "Karimireddy, He, Jaggi 2021, Learning from History for Byzantine Robust Optimization"
 
     def __init__(self, tau: float = 10.0, n_iter: int = 1):
@@ -39,8 +40,8 @@ class CenteredClipping(BaseRule):
         x = round.updates
         n = round.n
         v = self._center
-        passes = CombinationPasses(x, norms=round.norms)  # taken by the front door's screening
-        if v is None:  # the first round: the centre is zero and the distances are the norms (no pass)
+        passes = CombinationPasses(x, **round.norms_for_pass())  # its first pass screens the round
+        if v is None:  # the first round: the centre is zero and the distances are the norms
             v = torch.zeros(round.d, dtype=x.dtype, device=x.device)
             dist = passes.norms()
         elif v.numel() != round.d:

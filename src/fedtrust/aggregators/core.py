@@ -32,6 +32,7 @@ __all__ = [
     "Round",
     "Rule",
     "StatefulRule",
+    "UnscreenedUpdates",
     "byzantine_budget",
     "check_f",
     "resolve_f",
@@ -42,6 +43,17 @@ _HALF = (torch.float16, torch.bfloat16)
 
 class NoValidUpdates(ValueError):
     """Raised when every client of a round was quarantined: there is nothing left to aggregate."""
+
+
+class UnscreenedUpdates(ValueError):
+    """Raised by :meth:`Round.adopt_norms` when a rule's own first pass meets an update the front door
+    quarantines (non-finite, or a norm overflowing the dtype). The front door catches it and screens the
+    round; calling a rule's ``aggregate`` directly on such a round raises it."""
+
+
+def _norm_limit(dtype: torch.dtype) -> float:
+    """The largest norm an update may have: its square must be representable."""
+    return math.sqrt(torch.finfo(dtype).max)
 
 
 def _as_tensor(field_name: str, value: Any, device: torch.device | None = None) -> torch.Tensor:
@@ -164,6 +176,28 @@ class Round:
         once: the front door's screening computes them and rules that need norms reuse them."""
         return row_norms(self.updates)
 
+    def norms_for_pass(self) -> dict[str, Any]:
+        """Keyword arguments for a pass over the updates (:class:`~fedtrust.aggregators.kernels.
+        CombinationPasses`, the inference module's ``Tasks``): the norms when already taken, else a hook
+        through which the pass hands over the norms it takes (:meth:`adopt_norms`)."""
+        if "norms" in self.__dict__:
+            return {"norms": self.norms}
+        return {"on_norms": self.adopt_norms}
+
+    def adopt_norms(self, norms: torch.Tensor) -> None:
+        """Keep the n norms a rule's own pass took as this round's :attr:`norms`, after checking them as
+        the front door's screening would (so a rule with ``screens_in_first_pass`` needs no screening
+        pass). Raises :class:`UnscreenedUpdates`, keeping nothing, when one marks a malformed update."""
+        norms = norms.reshape(-1).to(torch.float64)
+        if norms.numel() != self.n:
+            raise ValueError(f"Round.adopt_norms: need {self.n} norms, got {norms.numel()}")
+        if not bool((norms <= _norm_limit(self.updates.dtype)).all()):  # NaN <= limit is False
+            raise UnscreenedUpdates(
+                "Round.updates has non-finite or overflowing updates; call the rule itself (its front door "
+                "quarantines them), not its aggregate()"
+            )
+        self.__dict__["norms"] = norms
+
     @property
     def d(self) -> int:
         return self.updates.shape[1]
@@ -258,7 +292,7 @@ def _screen_updates(round: Round) -> dict[int, str]:
     x = round.updates
     bad: dict[int, str] = {}
     norms = round.norms
-    limit = math.sqrt(torch.finfo(x.dtype).max)
+    limit = _norm_limit(x.dtype)
     for i in torch.nonzero(~(norms <= limit)).flatten().tolist():  # NaN-safe: NaN <= limit is False
         row = x[i]
         nan, inf = int(torch.isnan(row).sum()), int(torch.isinf(row).sum())
@@ -304,6 +338,12 @@ class BaseRule:
     #: screened one by one. One pass over the data instead of two; finite updates too large to square in
     #: the dtype are harmless to a mean and are kept.
     screen_by_result: ClassVar[bool] = False
+    #: A rule whose first pass over the updates takes their norms (through ``Round.norms_for_pass``)
+    #: before it uses them screens there: it runs unscreened, its first pass hands the norms to
+    #: ``Round.adopt_norms``, which stops it (``UnscreenedUpdates``) when a client must be quarantined,
+    #: and only then is the round screened and the rule run on the rest. A clean round costs no
+    #: screening pass. Its state may change only after that first pass.
+    screens_in_first_pass: ClassVar[bool] = False
 
     def __call__(self, round: Round) -> Aggregate:
         if not isinstance(round, Round):
@@ -311,6 +351,19 @@ class BaseRule:
         if self.screen_by_result and not _screen_scalars(round, self.requires):
             out = self.aggregate(round)
             if math.isfinite(float(out.vector.sum())):  # a NaN or Inf entry makes the sum non-finite
+                return out
+        elif (
+            self.screens_in_first_pass
+            and "norms" not in round.__dict__
+            and not _screen_scalars(round, self.requires)
+        ):
+            try:
+                out = self.aggregate(round)
+            except UnscreenedUpdates:
+                pass  # screened below
+            else:
+                if "norms" not in round.__dict__:
+                    raise RuntimeError(f"{self.name}: screens_in_first_pass, but its pass took no norms")
                 return out
         bad = _screen(round, self.requires)
         if not bad:

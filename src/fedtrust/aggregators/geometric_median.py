@@ -31,6 +31,7 @@ class GeometricMedian(BaseRule):
     """
 
     name = "geometric_median"
+    screens_in_first_pass = True
     paper = "Pillutla, Kakade, Harchaoui 2022, Robust Aggregation for Federated Learning (RFA)"
 
     def __init__(self, nu: float = 1e-6, max_iter: int = 100, tol: float = 1e-6, weighted: bool = False):
@@ -49,7 +50,7 @@ class GeometricMedian(BaseRule):
         else:
             alpha = torch.full((n,), 1.0 / n, dtype=torch.float64, device=x.device)
         beta = alpha
-        passes = CombinationPasses(x, norms=round.norms)  # one fused pass a step; norms from the screening
+        passes = CombinationPasses(x, **round.norms_for_pass())  # one fused pass a step; it screens too
         z, sq, _ = passes(beta)
         dist = sq.sqrt()
         trace = [float(alpha @ dist)]

@@ -64,9 +64,16 @@ class CombinationPasses:
     #: Bytes of x per chunk (read twice, the second time from cache).
     CHUNK = 1 << 22
 
-    def __init__(self, x: torch.Tensor, norms: torch.Tensor | None = None):
+    def __init__(
+        self,
+        x: torch.Tensor,
+        norms: torch.Tensor | None = None,
+        on_norms: Callable[[torch.Tensor], None] | None = None,
+    ):
         """``norms``: the points' norms if already known (a Round's screening pass takes them), else
-        the first pass does."""
+        the first pass does and hands them to ``on_norms`` (a Round screens on them:
+        :meth:`~fedtrust.aggregators.core.Round.adopt_norms`)."""
+        self.on_norms = on_norms
         self.flat = x.dim() == 2
         self.x = x if x.dim() == 3 else x[None]
         i, j, k = self.x.shape
@@ -79,9 +86,14 @@ class CombinationPasses:
         """(n,) or (I, J) float64 norms of the points (:func:`row_norms`): one pass the first time unless
         they were given or a call took them, then kept."""
         if self.sq_norms is None:
-            self.sq_norms = row_norms(self.x).square()
+            self._took_norms(row_norms(self.x).square())
         out = self.sq_norms.sqrt()
         return out[0] if self.flat else out
+
+    def _took_norms(self, sq_norms: torch.Tensor) -> None:
+        self.sq_norms = sq_norms
+        if self.on_norms is not None:
+            self.on_norms(self.norms())
 
     def __call__(
         self,
@@ -126,7 +138,7 @@ class CombinationPasses:
             if previous is not None:
                 steps[b] = torch.linalg.vector_norm(zc - previous[:, cols])
         if norms is not None:
-            self.sq_norms = norms.to(torch.float64).square().sum(0)
+            self._took_norms(norms.to(torch.float64).square().sum(0))
         dots, z_sq = dots.to(torch.float64).sum(0), z_sq.to(torch.float64).sum(0)[:, None]
         sq = (self.sq_norms - 2 * dots + z_sq).clamp_min(0)
         unresolved = sq < self.EXPANSION_FLOOR * (self.sq_norms + z_sq)
@@ -189,8 +201,12 @@ def _ill_conditioned(g: torch.Tensor, dist: torch.Tensor, limit: float) -> bool:
     return bool((g.diagonal() > limit * torch.quantile(off, 0.2, dim=1)).any())
 
 
-def pairwise_sq_distances(x: torch.Tensor) -> torch.Tensor:
+def pairwise_sq_distances(
+    x: torch.Tensor, on_norms: Callable[[torch.Tensor], None] | None = None
+) -> torch.Tensor:
     """(n, n) float64 squared Euclidean distances between the rows of ``x`` from one Gram matrix.
+    ``on_norms`` gets the rows' norms (the raw Gram's diagonal) before they are used
+    (:meth:`~fedtrust.aggregators.core.Round.adopt_norms`).
 
     First from the raw Gram (one GEMM pass). If some point's squared norm exceeds ``_RAW_LIMIT`` times
     the 20% quantile of the pairwise distances (a large common component, as with raw parameters), float32
@@ -200,9 +216,11 @@ def pairwise_sq_distances(x: torch.Tensor) -> torch.Tensor:
     median distance to the others).
     """
     n = x.shape[0]
+    g = gram(x)
+    if on_norms is not None:
+        on_norms(g.diagonal().sqrt())
     if n < 3:
         return sq_distances_from_gram(gram(x, "mean"))
-    g = gram(x)
     dist = sq_distances_from_gram(g)
     if not _ill_conditioned(g, dist, _RAW_LIMIT):
         return dist

@@ -36,14 +36,17 @@ class Krum(BaseRule):
     """
 
     name = "krum"
+    screens_in_first_pass = True
     paper = "Blanchard et al. 2017, Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent"
 
     def __init__(self, f: int | float = 0):
         self.f = check_f(self.name, f)
 
     def _order(self, round: Round, n_quarantined: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        # the distances first: their pass screens the round (a quarantine changes the budget)
+        dist = pairwise_sq_distances(round.updates, round.norms_for_pass().get("on_norms"))
         f = byzantine_budget(self.name, self.f, round, n_quarantined, "n > 2f + 2", lambda f: 2 * f + 3)
-        scores, order = krum_order(pairwise_sq_distances(round.updates), round.n - f - 2)
+        scores, order = krum_order(dist, round.n - f - 2)
         return scores, order, f
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:

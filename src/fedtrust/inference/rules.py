@@ -28,10 +28,14 @@ PAPER = "Nguyen, Lim, Wynter, Cai 2021, Probabilistic Inference for Learning fro
 
 
 def _task(round: Round) -> Tasks:
-    """The round as one task with every client present (the front door has screened the updates, so
-    the estimators skip their own finiteness check, and its norms come along)."""
+    """The round as one task with every client present. The estimators skip their own finiteness check:
+    the round's norms come along when taken, else their first pass takes them and screens the round on
+    them (``BaseRule.screens_in_first_pass``)."""
     present = torch.ones(1, round.n, dtype=torch.bool, device=round.updates.device)
-    return Tasks(round.updates[None], present, round.norms[None])
+    kw = round.norms_for_pass()
+    if "norms" in kw:
+        return Tasks(round.updates[None], present, norms=kw["norms"][None])
+    return Tasks(round.updates[None], present, on_norms=kw["on_norms"])
 
 
 def _trust(coefficients: torch.Tensor) -> torch.Tensor:
@@ -41,9 +45,12 @@ def _trust(coefficients: torch.Tensor) -> torch.Tensor:
 
 
 class _WindowRule(BaseRule):
-    """Shared window bookkeeping: ``window`` rounds (this one included) inform each client's estimates."""
+    """Shared window bookkeeping: ``window`` rounds (this one included) inform each client's estimates.
+    Every estimator starts with one pass over the data (a Gram matrix or a fused step), which screens the
+    round; the window state changes only once the estimator returns."""
 
     paper = PAPER
+    screens_in_first_pass = True
 
     def __init__(self, window: int, max_iter: int, tol: float):
         self.window = check_int(f"{self.name}: window", window, minimum=1)
