@@ -217,7 +217,7 @@ SCREEN_IN_FIRST_PASS = [name for name in available() if rule(name).screens_in_fi
 def test_the_iterative_rules_screen_in_their_first_pass():
     assert set(SCREEN_IN_FIRST_PASS) == {
         "geometric_median", "centered_clipping", "ivar_mle", "ivar_vb", "icov_mle", "icov_vb",
-        "krum", "multi_krum", "bulyan",
+        "krum", "multi_krum", "bulyan", "median", "trimmed_mean",
     }  # fmt: skip
 
 

@@ -179,3 +179,29 @@ def test_a_rounds_norms_are_taken_once_and_follow_a_selection():
     clean = r.select([3, 1])
     assert "norms" in vars(clean)
     torch.testing.assert_close(clean.norms, r.norms[[3, 1]])
+
+
+def test_the_passes_that_screen_hand_over_each_rows_norm(monkeypatch):
+    """Every pass a rule screens in (fused steps, the Gram matrix, the order-statistics blocks) hands
+    over float64 norms of the rows; a block map stops at the first block with a non-finite row."""
+    monkeypatch.setattr(kernels, "SELECT_CHUNK_BYTES", 15 * 4 * 64)  # blocks of 64 columns
+    x = torch.randn(15, 1000, generator=torch.Generator().manual_seed(3)) * 3 + 1
+    exact = x.double().norm(dim=1)
+    got = []
+    kernels.rank_window(x, 3, 12, got.append)
+    kernels.pairwise_sq_distances(x, got.append)
+    kernels.CombinationPasses(x, on_norms=got.append)(torch.full((15,), 1 / 15, dtype=torch.float64))
+    kernels.CombinationPasses(x, on_norms=got.append).norms()
+    assert len(got) == 4
+    for norms in got:
+        torch.testing.assert_close(norms, exact, rtol=1e-6, atol=0)
+
+    bad = x.clone()
+    bad[4, 70] = float("nan")  # in the second of 16 blocks
+    blocks = []
+    window = kernels._window_block
+    monkeypatch.setattr(kernels, "_window_block", lambda b, lo, hi: blocks.append(1) or window(b, lo, hi))
+    got.clear()
+    kernels.rank_window(bad, 3, 12, got.append)
+    assert torch.isnan(got[0][4]) and torch.isfinite(got[0][[0, 1, 2, 3, 5]]).all()
+    assert len(blocks) < 16

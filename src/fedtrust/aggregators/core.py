@@ -359,8 +359,10 @@ class BaseRule:
         ):
             try:
                 out = self.aggregate(round)
-            except UnscreenedUpdates:
-                pass  # screened below
+            except ValueError:  # UnscreenedUpdates, or an error met before its pass screened the round
+                if "norms" in round.__dict__:
+                    raise  # the round was clean: the error is the rule's
+                # (a quarantine may change the outcome, e.g. a Byzantine budget): screened below
             else:
                 if "norms" not in round.__dict__:
                     raise RuntimeError(f"{self.name}: screens_in_first_pass, but its pass took no norms")

@@ -8,6 +8,7 @@ d = 10 million float32 coordinates (4 GB) aggregates inside 24 GB.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
@@ -265,20 +266,49 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def map_column_blocks(
-    x: torch.Tensor, fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+    x: torch.Tensor,
+    fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+    on_norms: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``fn`` on cache-sized (n, c) column blocks of a CPU tensor, on a thread pool (numpy releases
     the GIL); ``fn`` returns the block's (c,) values and (n,) slot counts. Returns the (d,) values and
-    the (n,) weights (slot counts normalised to sum to one)."""
+    the (n,) weights (slot counts normalised to sum to one).
+
+    ``on_norms`` gets the rows' float64 norms (each block's float32 sums of squares, taken while it is in
+    cache, summed in float64) before anything is returned; a block with a non-finite sum stops the map
+    (blocks not yet started are skipped) and ``on_norms`` gets that verdict at once."""
     n, d = x.shape
     xn = x.detach().numpy()
     width = max(1, SELECT_CHUNK_BYTES // max(1, n * x.element_size()))
     blocks = [slice(s, min(d, s + width)) for s in range(0, d, width)]
     out = np.empty(d, dtype=xn.dtype)
     slots = np.zeros(n, dtype=np.float64)
-    for cols, (values, counts) in zip(blocks, _pool().map(lambda c: fn(xn[:, c]), blocks), strict=True):
+    sq = np.zeros(n, dtype=np.float64)
+    stop, flagged = threading.Event(), []
+
+    def run(cols: slice):
+        if stop.is_set():
+            return None
+        block = xn[:, cols]
+        if on_norms is None:
+            return fn(block), None
+        block_sq = np.einsum("ij,ij->i", block, block)
+        if not np.isfinite(block_sq).all():
+            flagged.append(block_sq)
+            stop.set()
+            return None
+        return fn(block), block_sq
+
+    for cols, item in zip(blocks, _pool().map(run, blocks), strict=True):
+        if item is None:
+            break  # stopped: a block has a non-finite row
+        (values, counts), block_sq = item
         out[cols] = values
         slots += counts
+        if block_sq is not None:
+            sq += block_sq
+    if on_norms is not None:
+        on_norms(torch.from_numpy(np.sqrt(flagged[0] if stop.is_set() else sq)))
     return torch.from_numpy(out), torch.from_numpy(slots / slots.sum()).to(x.dtype)
 
 
@@ -393,21 +423,26 @@ def _window_block(x: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarr
     return values, window_slots(x, t, lo, hi)
 
 
-def rank_window(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_window(
+    x: torch.Tensor, lo: int, hi: int, on_norms: Callable[[torch.Tensor], None] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For every coordinate j, the mean of the values of rank lo..hi-1 (0-based, ascending) among
     x[0, j], ..., x[n-1, j], and each client's weight: its share of the (coordinate, rank) slots, with
     clients tied across a window edge sharing those slots evenly. The median is the window
     (n // 2, n // 2 + 1) for odd n and (n/2 - 1, n/2 + 1) for even n; the b-trimmed mean is (b, n - b).
 
     On the CPU each cache-sized column block is transposed and sorted with numpy's SIMD sort, on a
-    thread pool; on other devices a sort per chunk does it (:func:`rank_window_by_sort`).
+    thread pool; on other devices a sort per chunk does it (:func:`rank_window_by_sort`). ``on_norms``
+    gets the rows' norms first (:func:`map_column_blocks`; :func:`row_norms` off the CPU).
     """
     n, d = x.shape
     if not 0 <= lo < hi <= n:
         raise ValueError(f"rank_window: need 0 <= lo < hi <= n, got lo={lo}, hi={hi}, n={n}")
     if x.device.type != "cpu":
+        if on_norms is not None:
+            on_norms(row_norms(x))
         return rank_window_by_sort(x, lo, hi)
-    return map_column_blocks(x, lambda block: _window_block(block, lo, hi))
+    return map_column_blocks(x, lambda block: _window_block(block, lo, hi), on_norms)
 
 
 def rank_window_by_sort(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,8 +20,10 @@ class CoordinateMedian(BaseRule):
     """
 
     name = "median"
+    screens_in_first_pass = True
     paper = "Yin et al. 2018, Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates"
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        vector, weights = rank_window(round.updates, *median_window(round.n))
+        on_norms = round.norms_for_pass().get("on_norms")
+        vector, weights = rank_window(round.updates, *median_window(round.n), on_norms)
         return Aggregate(vector, weights, {})

@@ -19,6 +19,7 @@ class TrimmedMean(BaseRule):
     """
 
     name = "trimmed_mean"
+    screens_in_first_pass = True
     paper = "Yin et al. 2018, Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates"
 
     def __init__(self, f: int | float = 0.1):
@@ -27,5 +28,5 @@ class TrimmedMean(BaseRule):
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
         n = round.n
         b = byzantine_budget(self.name, self.f, round, n_quarantined, "n > 2f", lambda f: 2 * f + 1)
-        vector, weights = rank_window(round.updates, b, n - b)
+        vector, weights = rank_window(round.updates, b, n - b, round.norms_for_pass().get("on_norms"))
         return Aggregate(vector, weights, {"trimmed_per_side": b})
