@@ -41,8 +41,7 @@ class CenteredClipping(BaseRule):
         n = round.n
         v = self._center
         passes = CombinationPasses(x, **round.norms_for_pass())  # its first pass screens the round
-        if v is None:  # the first round: the centre is zero and the distances are the norms
-            v = torch.zeros(round.d, dtype=x.dtype, device=x.device)
+        if v is None:  # the first round: the centre is zero (None here) and the distances are the norms
             dist = passes.norms()
         elif v.numel() != round.d:
             raise ValueError(
@@ -60,10 +59,11 @@ class CenteredClipping(BaseRule):
             coef = keep * coef + clip / n
             center_weight *= keep
             if it + 1 < self.n_iter:  # the next iteration clips by the distances to the new centre
-                v, sq, _ = passes(clip / n, offset=keep * v)
+                v, sq, _ = passes(clip / n, offset=None if v is None else keep * v)
                 dist = sq.sqrt()
             else:  # the last one needs only the sum: two passes over x for the usual n_iter = 1
-                v = keep * v + weighted_sum(x, clip / n)
+                s = weighted_sum(x, clip / n)
+                v = s if v is None else s.add_(v, alpha=keep)
         self._center = v.detach().clone()
         total = coef.sum()
         weights = coef / total if total > 0 else torch.full_like(coef, 1.0 / n)

@@ -8,7 +8,9 @@ A rule that wants every client's metrics before training starts (ARFL's initial 
 
 :class:`BaseRule` gives every built-in rule the same front door: it validates the round, quarantines
 malformed client updates (non-finite entries, overflowing norms, bad counts or metrics) with a recorded
-reason, runs the rule on the rest, and maps the weights back onto the original clients.
+reason, runs the rule on the rest, and maps the weights back onto the original clients. The screening
+needs each update's norm; rules whose first pass over the updates can take the norms screen there
+(``screens_in_first_pass``), so a clean round is read once less.
 """
 
 from __future__ import annotations
