@@ -214,7 +214,10 @@ def test_every_rule_builds_with_defaults_and_says_where_it_comes_from(name):
 SCREEN_IN_FIRST_PASS = [name for name in available() if rule(name).screens_in_first_pass]
 
 
-def test_the_iterative_rules_screen_in_their_first_pass():
+def test_which_rules_screen_in_their_first_pass():
+    """Every rule whose first pass can take the norms before it uses them. The mean and FedAvg screen by
+    their result; ARFL, FOCUS, CFL and FedAG pay a screening pass of their own."""
+    assert not rule("mean").screens_in_first_pass and rule("mean").screen_by_result
     assert set(SCREEN_IN_FIRST_PASS) == {
         "geometric_median", "centered_clipping", "ivar_mle", "ivar_vb", "icov_mle", "icov_vb",
         "krum", "multi_krum", "bulyan", "median", "trimmed_mean",
