@@ -205,3 +205,14 @@ def test_the_passes_that_screen_hand_over_each_rows_norm(monkeypatch):
     kernels.rank_window(bad, 3, 12, got.append)
     assert torch.isnan(got[0][4]) and torch.isfinite(got[0][[0, 1, 2, 3, 5]]).all()
     assert len(blocks) < 16
+
+
+@pytest.mark.parametrize("shape", [(10, 5000), (10, 4096), (3, 3000), (1, 12, 2500), (40, 3000), (10, 100)])
+def test_row_gram_is_the_gram_matrix_however_it_is_split(shape):
+    """Few rows: a batch of block products summed; many rows or short ones: one product. Both are
+    r r^T to float32 rounding."""
+    r = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+    exact = r.double() @ r.double().transpose(-1, -2)
+    got = kernels.row_gram(r)
+    assert got.shape == exact.shape
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-3)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedtrust.aggregators.kernels import CombinationPasses
+from fedtrust.aggregators.kernels import CombinationPasses, row_gram
 
 #: Bytes of the estimates one chunk of coordinates covers (its temporaries stay in cache).
 CHUNK_BYTES = 1 << 22
@@ -125,7 +125,7 @@ class TaskGram:
             r = torch.sub(x, c[:, None, :], out=residual[:, :, : x.shape[2]])
             if mask is not None:
                 r.mul_(mask)
-            torch.bmm(r, r.transpose(1, 2), out=centred[b])
+            centred[b] = row_gram(r)
             torch.bmm(r, c[:, :, None], out=cross[b])
             torch.linalg.vector_norm(c, dim=1, out=mean_sq[b]).square_()
         f64 = torch.float64
