@@ -178,11 +178,16 @@ class Round:
         once: the front door's screening computes them and rules that need norms reuse them."""
         return row_norms(self.updates)
 
+    @property
+    def norms_taken(self) -> bool:
+        """Whether :attr:`norms` is already known (taken by the screening or adopted from a rule's pass)."""
+        return "norms" in self.__dict__
+
     def norms_for_pass(self) -> dict[str, Any]:
         """Keyword arguments for a pass over the updates (:class:`~fedtrust.aggregators.kernels.
         CombinationPasses`, the inference module's ``Tasks``): the norms when already taken, else a hook
         through which the pass hands over the norms it takes (:meth:`adopt_norms`)."""
-        if "norms" in self.__dict__:
+        if self.norms_taken:
             return {"norms": self.norms}
         return {"on_norms": self.adopt_norms}
 
@@ -216,7 +221,7 @@ class Round:
             reference=self.reference,
             previous=self.previous,
         )
-        if "norms" in self.__dict__:  # already taken: carried over, not recomputed
+        if self.norms_taken:  # carried over, not recomputed
             out.__dict__["norms"] = self.norms.index_select(0, idx)
         return out
 
@@ -355,18 +360,16 @@ class BaseRule:
             if math.isfinite(float(out.vector.sum())):  # a NaN or Inf entry makes the sum non-finite
                 return out
         elif (
-            self.screens_in_first_pass
-            and "norms" not in round.__dict__
-            and not _screen_scalars(round, self.requires)
+            self.screens_in_first_pass and not round.norms_taken and not _screen_scalars(round, self.requires)
         ):
             try:
                 out = self.aggregate(round)
             except ValueError:  # UnscreenedUpdates, or an error met before its pass screened the round
-                if "norms" in round.__dict__:
+                if round.norms_taken:
                     raise  # the round was clean: the error is the rule's
                 # (a quarantine may change the outcome, e.g. a Byzantine budget): screened below
             else:
-                if "norms" not in round.__dict__:
+                if not round.norms_taken:
                     raise RuntimeError(f"{self.name}: screens_in_first_pass, but its pass took no norms")
                 return out
         bad = _screen(round, self.requires)

@@ -241,6 +241,8 @@ def pairwise_sq_distances(
     median distance to the others).
     """
     n = x.shape[0]
+    if n < 3 and on_norms is None:  # too few points for the conditioning test: centred at once
+        return sq_distances_from_gram(gram(x, "mean"))
     g = gram(x)
     if on_norms is not None:
         on_norms(g.diagonal().sqrt())
