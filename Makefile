@@ -6,7 +6,7 @@ STAMP   = $(VENV)/.installed
 
 .PHONY: demo test bench lint clean fashion-mnist ivar-icov arfl fedag
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt setup.py src/fedtrust/aggregators/order_stats.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test]"

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from test_rule_properties import OPTIONS, benchmark_loss
 
 from fedtrust import Round, available, rule
-from fedtrust.aggregators import kernels
+from fedtrust.aggregators import kernels, order_stats
 from fedtrust.aggregators.bulyan import closest_to_median, closest_to_median_by_sort
 from fedtrust.aggregators.kernels import (
     CombinationPasses,
@@ -123,6 +123,55 @@ def test_bulyan_closest_to_median_fast_path_agrees_with_sorting(theta, d, seed, 
     slow = closest_to_median_by_sort(x, selected, beta)
     torch.testing.assert_close(fast[0], slow[0])
     torch.testing.assert_close(fast[1], slow[1])
+
+
+def windows(n):
+    if n <= 17:
+        return [(lo, hi) for lo in range(n) for hi in range(lo + 1, n + 1)]
+    b = n // 5
+    return [
+        (0, n),
+        (0, 1),
+        (n - 1, n),
+        (n // 2, n // 2 + 1),
+        (n // 2 - 1, n // 2 + 1),
+        (1, n - 1),
+        (b, n - b),
+        (3, 7),
+    ]
+
+
+@pytest.mark.skipif(not order_stats.COMPILED, reason="the order-statistics extension is not built")
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 13, 16, 17, 31, 64, 65, 100, order_stats.MAX_CLIENTS])
+def test_the_compiled_selection_network_gives_every_window_the_sort_gives(n):
+    """The pruned network keeps every rank a window reads, on continuous data and on data full of ties
+    (values 0, 1, 2: by the 0-1 principle a comparator network that places ranks right on such inputs
+    places them right on all), in a column slice of a wider matrix whose last tile is partial."""
+    rng = np.random.default_rng(n)
+    wide = rng.standard_normal((n, 64 * 3 + 5 + 40)).astype(np.float32)
+    wide[:, 100:] = rng.integers(0, 3, (n, wide.shape[1] - 100))
+    block = wide[:, 40:]
+    for lo, hi in windows(n):
+        values, slots, (ties, low, high) = order_stats.window_block(block, lo, hi)
+        t = np.sort(block, axis=0).T
+        np.testing.assert_allclose(values, t[:, lo:hi].astype(np.float64).mean(1), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(low, t[ties, lo])
+        np.testing.assert_array_equal(high, t[ties, hi - 1])
+        tied = ((lo > 0) & (t[:, lo - 1] == t[:, lo])) | ((hi < n) & (t[:, min(hi, n - 1)] == t[:, hi - 1]))
+        np.testing.assert_array_equal(ties, np.flatnonzero(tied))
+        numpy_path = kernels.window_slots(block, kernels.sorted_columns(block), lo, hi)
+        got = kernels._window_block(block, lo, hi)[1]
+        np.testing.assert_allclose(got, numpy_path, err_msg=f"window {lo}..{hi}")
+
+
+def test_the_order_statistics_kernel_is_built_wherever_a_compiler_is():
+    """The extension is optional so that fedtrust installs without a C compiler; with one it must build."""
+    import shutil
+
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert order_stats.COMPILED, (
+            "a C compiler is here but fedtrust.aggregators._order_stats was not built"
+        )
 
 
 @pytest.mark.parametrize("n", range(1, kernels.NETWORK_MAX_CLIENTS + 1))

@@ -17,6 +17,8 @@ from functools import cache
 import numpy as np
 import torch
 
+from fedtrust.aggregators import order_stats
+
 #: Bytes of the input one chunk covers. Sorting a chunk holds values + int64 indices (3x this).
 #: 16 MiB: temporaries stay below glibc's 32 MiB mmap threshold, so they reuse heap pages instead of
 #: faulting in fresh ones every chunk (twice as fast as 32 MiB for the pass-based rules).
@@ -416,9 +418,7 @@ def window_slots(x: np.ndarray, t: np.ndarray, lo: int | np.ndarray, hi: int | n
     slots -= _row_counts(np.greater(x, high, out=mask))
     ties = np.flatnonzero(crossing)
     if ties.size:
-        c = x[:, ties]
-        slots -= np.count_nonzero((c >= low[ties]) & (c <= high[ties]), axis=1)
-        slots += _tied_slots(c, low[ties], high[ties], lo_b[ties], hi_b[ties])
+        slots += _tie_shares(x[:, ties], low[ties], high[ties], lo_b[ties], hi_b[ties])
     return slots
 
 
@@ -428,12 +428,12 @@ def _row_counts(mask: np.ndarray) -> np.ndarray:
     return np.fromiter((np.count_nonzero(row) for row in mask), np.float64, mask.shape[0])
 
 
-def _tied_slots(
+def _tie_shares(
     x: np.ndarray, low: np.ndarray, high: np.ndarray, lo: np.ndarray, hi: np.ndarray
 ) -> np.ndarray:
-    """Slot counts for columns whose window edge cuts through a block of equal values: the clients sharing
-    the value share the window's slots at that value evenly."""
-    slots = np.count_nonzero((x > low) & (x < high), axis=1).astype(np.float64)
+    """The correction to the counts #(x >= low) - #(x > high) for columns whose window edge cuts through a
+    block of equal values: the clients sharing the value share the window's slots at that value evenly."""
+    slots = -np.count_nonzero((x == low) | (x == high), axis=1).astype(np.float64)
     for value in (low, np.where(high == low, np.nan, high)):  # one tied block is counted once
         below = np.count_nonzero(x < value, axis=0)
         equal = x == value
@@ -444,6 +444,11 @@ def _tied_slots(
 
 
 def _window_block(x: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    if order_stats.suits(x):
+        values, slots, (ties, low, high) = order_stats.window_block(x, lo, hi)
+        if ties.size:
+            slots += _tie_shares(x[:, ties], low, high, np.full(ties.size, lo), np.full(ties.size, hi))
+        return values, slots
     t = sorted_columns(x)
     values = t[:, lo:hi] @ np.full(hi - lo, 1 / (hi - lo), dtype=x.dtype)  # BLAS: 5x a row-wise sum
     return values, window_slots(x, t, lo, hi)
@@ -457,9 +462,11 @@ def rank_window(
     clients tied across a window edge sharing those slots evenly. The median is the window
     (n // 2, n // 2 + 1) for odd n and (n/2 - 1, n/2 + 1) for even n; the b-trimmed mean is (b, n - b).
 
-    On the CPU each cache-sized column block is transposed and sorted with numpy's SIMD sort, on a
-    thread pool; on other devices a sort per chunk does it (:func:`rank_window_by_sort`). ``on_norms``
-    gets the rows' norms first (:func:`map_column_blocks`; :func:`row_norms` off the CPU).
+    On the CPU cache-sized column blocks go to a thread pool: float32 blocks of up to
+    :data:`order_stats.MAX_CLIENTS` rows through the compiled selection network (:mod:`order_stats`),
+    others transposed and sorted with numpy's SIMD sort; on other devices a sort per chunk does it
+    (:func:`rank_window_by_sort`). ``on_norms`` gets the rows' norms first (:func:`map_column_blocks`;
+    :func:`row_norms` off the CPU).
     """
     n, d = x.shape
     if not 0 <= lo < hi <= n:
