@@ -117,7 +117,10 @@ def machine() -> dict:
             versions[package] = version(package)
         except Exception:
             versions[package] = "not installed"
-    return {"cpu": cpu, "threads": torch.get_num_threads(), **versions}
+    from fedtrust.aggregators import order_stats
+
+    compiled = "compiled" if order_stats.COMPILED else "numpy (extension not built)"
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "order_stats": compiled, **versions}
 
 
 def skip_reason(peer, n: int, d: int, x: torch.Tensor, budget: float) -> str | None:
@@ -288,7 +291,8 @@ def write(rows: list[dict], info: dict, out: Path, command: str) -> None:
         "# Aggregation: fedtrust vs the memory-bandwidth floor, ByzFL and Flower",
         "",
         f"Machine: {info['cpu']}, {info['threads']} threads. Python {info['python']}, torch {info['torch']}, "
-        f"numpy {info['numpy']}, fedtrust {info['fedtrust']}, ByzFL {info['byzfl']}, flwr {info['flwr']}.",
+        f"numpy {info['numpy']}, fedtrust {info['fedtrust']}, ByzFL {info['byzfl']}, flwr {info['flwr']}. "
+        f"Order-statistics kernel (median, trimmed mean): {info.get('order_stats', 'numpy')}.",
         f"Command: `{command}`.",
         "",
         "Round: n clients, f = n/5 of them sending 10x larger vectors; float32. Times are medians. "
