@@ -170,7 +170,8 @@ def test_the_order_statistics_kernel_is_built_wherever_a_compiler_is():
 
     if shutil.which("cc") or shutil.which("gcc"):
         assert order_stats.COMPILED, (
-            "a C compiler is here but fedtrust.aggregators._order_stats was not built"
+            "a C compiler is here but fedtrust.aggregators._order_stats is not built or is stale: "
+            "reinstall (make test does when order_stats.c changes)"
         )
 
 

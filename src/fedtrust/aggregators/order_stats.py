@@ -24,11 +24,23 @@ import numpy as np
 MAX_CLIENTS = 256
 
 
+#: The kernel interface this module calls (``order_stats_abi`` in order_stats.c).
+ABI = 1
+
+
 def _load() -> ctypes.CDLL | None:
+    """The built extension, or None when it was not built, does not load, or is a stale build (an older
+    interface: ``make`` rebuilds it when order_stats.c changes)."""
     spec = importlib.util.find_spec("fedtrust.aggregators._order_stats")
     if spec is None or not spec.origin:
         return None
-    lib = ctypes.CDLL(spec.origin)
+    try:
+        lib = ctypes.CDLL(spec.origin)
+        lib.order_stats_abi.restype = ctypes.c_int32
+        if lib.order_stats_abi() != ABI:
+            return None
+    except (OSError, AttributeError):
+        return None
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     lib.window_block.argtypes = [p, i64, i32, i64, p, i32, i32, i32, p, p, p, p, p, p]
     lib.window_block.restype = i64
