@@ -96,7 +96,9 @@ def window_block(
     """For a float32 (n, c) block with unit column stride (a column slice of a C-ordered matrix): each
     column's mean of ranks lo..hi-1 (c,), each row's slot count #(x >= low) - #(x > high) (n,), and the
     columns whose window edge is tied across it (their counts need sharing; see ``window_slots``), with
-    their edge values. Releases the GIL (ctypes)."""
+    their edge values. Releases the GIL (ctypes). The values must be finite (the kernel is built with
+    -ffinite-math-only; the rules' rounds are screened first, and a block with a non-finite row never
+    reaches it: :func:`~fedtrust.aggregators.kernels.map_column_blocks` stops there)."""
     n, c = x.shape
     if not suits(x):
         raise ValueError(
