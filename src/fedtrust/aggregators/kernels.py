@@ -284,7 +284,8 @@ def coordinatewise(
 
 # ---------------------------------------------------------------- order statistics (median, trimmed mean)
 
-#: Bytes of the input one selection block covers: small enough that its transposed copy stays in cache.
+#: Bytes of the input one selection block covers: small enough that it (and on the numpy path its
+#: transposed copy) stays in L2 while it is worked on.
 SELECT_CHUNK_BYTES = 1 << 21
 
 
@@ -345,33 +346,6 @@ def map_column_blocks(
 NETWORK_MAX_CLIENTS = 12
 
 
-@cache
-def sorting_network(n: int) -> tuple[tuple[int, int], ...]:
-    """Comparators (i, j), i < j, of Batcher's odd-even merge sort on n inputs (the network for the next
-    power of two, minus comparators that touch the padding: padded +inf inputs never move)."""
-    size = 1 << max(0, (n - 1).bit_length())
-    pairs: list[tuple[int, int]] = []
-
-    def merge(lo: int, hi: int, r: int) -> None:
-        step = 2 * r
-        if step < hi - lo:
-            merge(lo, hi, step)
-            merge(lo + r, hi, step)
-            pairs.extend((i, i + r) for i in range(lo + r, hi - r, step))
-        else:
-            pairs.append((lo, lo + r))
-
-    def sort(lo: int, hi: int) -> None:
-        if hi > lo:
-            mid = (lo + hi) // 2
-            sort(lo, mid)
-            sort(mid + 1, hi)
-            merge(lo, hi, 1)
-
-    sort(0, size - 1)
-    return tuple((i, j) for i, j in pairs if j < n)
-
-
 def sorted_columns(x: np.ndarray) -> np.ndarray:
     """(c, n): each column of the (n, c) block ``x`` sorted (a copy: the caller's block never moves).
     Few clients: a comparator network on the rows (a transposed view is returned). More: the contiguous
@@ -381,7 +355,7 @@ def sorted_columns(x: np.ndarray) -> np.ndarray:
     if n <= NETWORK_MAX_CLIENTS:
         s = np.array(x, order="C")
         low = np.empty_like(s[0])
-        for i, j in sorting_network(n):
+        for i, j in order_stats.sorting_network(n):
             np.minimum(s[i], s[j], out=low)
             np.maximum(s[i], s[j], out=s[j])
             s[i] = low

@@ -28,6 +28,10 @@
 /* Bumped whenever window_block's signature changes: the loader refuses a stale build. */
 int32_t order_stats_abi(void) { return 1; }
 
+/* always_inline: a helper left out of line is built for the baseline instruction set, not the clone's */
+#if defined(__GNUC__)
+__attribute__((always_inline))
+#endif
 static inline void compare_exchange(float *restrict a, float *restrict b)
 {
     for (int l = 0; l < LANES; l++) {

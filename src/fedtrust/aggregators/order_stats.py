@@ -54,6 +54,33 @@ LANES = 64  # the kernel's tile width (order_stats.c)
 
 
 @cache
+def sorting_network(n: int) -> tuple[tuple[int, int], ...]:
+    """Comparators (i, j), i < j, of Batcher's odd-even merge sort on n inputs (the network for the next
+    power of two, minus comparators that touch the padding: padded +inf inputs never move)."""
+    size = 1 << max(0, (n - 1).bit_length())
+    pairs: list[tuple[int, int]] = []
+
+    def merge(lo: int, hi: int, r: int) -> None:
+        step = 2 * r
+        if step < hi - lo:
+            merge(lo, hi, step)
+            merge(lo + r, hi, step)
+            pairs.extend((i, i + r) for i in range(lo + r, hi - r, step))
+        else:
+            pairs.append((lo, lo + r))
+
+    def sort(lo: int, hi: int) -> None:
+        if hi > lo:
+            mid = (lo + hi) // 2
+            sort(lo, mid)
+            sort(mid + 1, hi)
+            merge(lo, hi, 1)
+
+    sort(0, size - 1)
+    return tuple((i, j) for i, j in pairs if j < n)
+
+
+@cache
 def selection_network(n: int, lo: int, hi: int) -> np.ndarray:
     """Comparators of Batcher's odd-even merge sort on n inputs, keeping only those that decide the
     ranks the window lo..hi-1 reads: its edges lo and hi - 1, their outer neighbours lo - 1 and hi (for
@@ -61,8 +88,6 @@ def selection_network(n: int, lo: int, hi: int) -> np.ndarray:
     inside it, in any order). A comparator whose outputs feed no such wire is dropped, walking the network
     backwards. The rest is ordered by depth, so consecutive comparators are independent.
     Returns an (m, 2) int32 array."""
-    from fedtrust.aggregators.kernels import sorting_network
-
     needed = set(range(0, min(lo + 1, n))) | set(range(max(hi - 1, 0), n))
     kept = []
     for i, j in reversed(sorting_network(n)):
