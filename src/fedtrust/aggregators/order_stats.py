@@ -120,7 +120,7 @@ def window_block(
 ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """For a float32 (n, c) block with unit column stride (a column slice of a C-ordered matrix): each
     column's mean of ranks lo..hi-1 (c,), each row's slot count #(x >= low) - #(x > high) (n,), and the
-    columns whose window edge is tied across it (their counts need sharing; see ``window_slots``), with
+    columns whose window edge is tied across it (their counts need sharing: ``kernels._tie_shares``), with
     their edge values. Releases the GIL (ctypes). The values must be finite (the kernel is built with
     -ffinite-math-only; the rules' rounds are screened first, and a block with a non-finite row never
     reaches it: :func:`~fedtrust.aggregators.kernels.map_column_blocks` stops there)."""
