@@ -1,5 +1,7 @@
 """The command line and the README's main job."""
 
+import re
+
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -87,3 +89,85 @@ def test_a_swept_rule_option_is_plotted_against_its_values(tmp_path):
     assert runner.invoke(app, ["report", str(tmp_path / "lam")]).exit_code == 0
     text = (tmp_path / "lam" / "report.md").read_text()
     assert "against rule.lam" in text and (tmp_path / "lam" / "sweep_rule_lam.png").stat().st_size > 0
+
+
+def test_run_prints_a_summary_table_and_a_failed_run_exits_non_zero(tmp_path):
+    config = digits_config(
+        tmp_path, "mixed", 2, sweep={"rule": [{"name": "mean"}, {"name": "krum", "f": 0.45}]}
+    )
+    result = runner.invoke(app, ["run", str(config), "--out", str(tmp_path), "--no-progress"])
+    assert result.exit_code == 1
+    lines = result.output.splitlines()
+    mean = next(line for line in lines if "rule=mean" in line)
+    assert "finished" in mean and "accuracy 0." in mean and " s " in mean + " "
+    assert any("rule=krum(f=0.45)" in line and "failed" in line for line in lines)
+    assert "no round could be" in result.output and "1 finished, 0 skipped, 1 failed" in result.output
+    assert "error: 1 of 2 runs failed" in result.output
+
+
+def test_rerunning_a_name_with_another_config_is_refused_with_the_keys_and_the_remedy(tmp_path):
+    config = digits_config(tmp_path, "same", 2)
+    assert runner.invoke(app, ["run", str(config), "--out", str(tmp_path), "--no-progress"]).exit_code == 0
+    changed = ["run", str(config), "--out", str(tmp_path), "--no-progress", "--set", "train.rounds=3"]
+    result = runner.invoke(app, changed)
+    assert result.exit_code == 2 and "1 skipped" not in result.output and "nothing was run" in result.output
+    assert "run: train.rounds: 2 -> 3" in result.output and "--force" in result.output
+    result = runner.invoke(app, [*changed, "--force"])
+    assert result.exit_code == 0 and "1 finished" in result.output
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def broken_manifest(tmp_path):
+    """A folder of runs, one of whose manifest.json is empty."""
+    (tmp_path / "runs" / "m").mkdir(parents=True)
+    (tmp_path / "runs" / "m" / "manifest.json").write_text("")
+    return tmp_path / "runs"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (lambda t: ["run", str(t)], "is a folder; give an experiment YAML file"),
+        (
+            lambda t: ["run", str(digits_config(t, "x", 1)), "--out", str(_write(t / "f", ""))],
+            "--out .*/f is a file",
+        ),
+        (
+            lambda t: ["run", str(digits_config(t, "x", 1)), "--set", "seed=1180591620717411303424"],
+            r"x.yaml: seed: Input should be less than 4294967296 \(got 1180591620717411303424\)",
+        ),
+        (
+            lambda t: ["run", str(digits_config(t, "x", 1)), "--set", "data.seed=-1"],
+            r"x.yaml: data: dataset 'digits': seed must be >= 0, got -1",
+        ),
+        (
+            lambda t: ["run", str(digits_config(t, "x", 1)), "--set", "train.lr=.inf"],
+            r"x.yaml: train.lr: Input should be a finite number \(got inf\)",
+        ),
+        (
+            lambda t: ["infer", str(_write(t / "e.csv", "a,b\n1,2\n")), "--out", str(t)],
+            "--out .* is a folder",
+        ),
+        (
+            lambda t: ["infer", str(_write(t / "e.csv", "task,a,b\nt0,1,inf\n"))],
+            r"e.csv, line 2, source 'b': 'inf' is not finite; leave the cell blank",
+        ),
+        (
+            lambda t: ["infer", str(_write(t / "e.csv", "1,2\n3,4\n"))],
+            r"e.csv, line 1: the first row holds numbers",
+        ),
+        (
+            lambda t: ["infer", str(_write(t / "e.csv", "a,b\n1,x\n"))],
+            r"line 2, source 'b': 'x' is not a number",
+        ),
+        (lambda t: ["report", str(broken_manifest(t))], r"unreadable: .*m/manifest.json is empty"),
+    ],
+)
+def test_cli_errors_name_the_field_or_file_not_a_traceback(tmp_path, args, message):
+    result = runner.invoke(app, args(tmp_path))
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit)  # not an uncaught error
+    assert re.search(message, result.output), result.output

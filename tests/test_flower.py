@@ -188,7 +188,7 @@ def test_client_evaluation_is_averaged_and_bad_evaluations_skipped():
 
 
 def test_a_restarted_server_keeps_the_reputations(tmp_path):
-    state = tmp_path / "state.pt"
+    state = tmp_path / "state.safetensors"
     first = TrustStrategy(
         rule="ivar_vb",
         state_path=state,
@@ -259,3 +259,35 @@ def test_credentials_make_a_verifiable_tls_chain_and_supernode_keys(tmp_path):
     assert load_ssh_public_key(public.read_bytes()) == key.public_key()
     with pytest.raises(ValueError, match="hosts must name at least one"):
         tls_certificates(tmp_path, [])
+
+
+def test_a_round_where_every_reply_is_quarantined_keeps_the_model_and_logs_why(caplog):
+    nan_nodes = {200 + i: (BrokenClient("nan"), {}) for i in range(3)}
+    strategy = TrustStrategy(rule="median", fraction_evaluate=0.0, min_available_nodes=3)
+    with caplog.at_level("WARNING"):
+        result = run(strategy, InProcessGrid(nan_nodes), rounds=2)
+    for name, array in initial().items():  # the initial model, not an empty or NaN ArrayRecord
+        np.testing.assert_array_equal(result.arrays[name].numpy(), array.numpy())
+    errors = [h["error"] for h in strategy.history]
+    assert len(errors) == 2 and all(
+        "NoValidUpdates: median: all 3 clients were quarantined" in e for e in errors
+    )
+    assert "non-finite" in errors[0]
+    assert "no update applied, the global model stays" in caplog.text
+
+
+def test_state_files_cannot_run_code_and_a_damaged_one_is_named(tmp_path):
+    import os
+    import pickle
+
+    from fedtrust.checkpoint import CorruptFileError
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    state = tmp_path / "state.safetensors"
+    state.write_bytes(pickle.dumps(Planted()))
+    with pytest.raises(CorruptFileError, match=f"{state}: not a readable fedtrust state file.*delete it"):
+        TrustStrategy(rule="ivar_vb", state_path=state)
+    assert not (tmp_path / "pwned").exists()

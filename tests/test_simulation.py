@@ -177,11 +177,12 @@ def test_benchmark_split_is_held_out_and_reference_scores_updates():
     assert seen[-1] < seen[0]  # models improve on the trusted split
 
 
-def test_a_rule_error_skips_the_round_and_the_run_goes_on():
+def test_a_rule_error_skips_the_round_and_the_run_goes_on_and_fails_when_no_round_is_left():
     # krum with f = 0.45 of 10 sampled clients needs n > 2f + 2 = 10: every round fails, cleanly
-    records = build_simulation(config(rule__name="krum", rule__f=0.45)).run()
-    assert all(r["error"] and "krum: needs n > 2f + 2 clients" in r["error"] for r in records)
-    assert records[-1]["metrics"]["accuracy"] < 0.2  # never updated: still the initial model
+    sim = build_simulation(config(rule__name="krum", rule__f=0.45))
+    records = sim.run()
+    assert len(records) == 6 and all("krum: needs n > 2f + 2 clients" in r["error"] for r in records)
+    assert sim.failure.startswith("no round could be aggregated: all 6 failed (ValueError: krum: needs")
 
 
 def test_partial_participation_samples_the_requested_share():

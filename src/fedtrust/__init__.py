@@ -5,7 +5,9 @@ out = rule("geometric_median")(Round(updates=X))
 out.vector, out.weights, out.info
 """
 
+from importlib.metadata import version as _version
+
 from fedtrust.aggregators import Aggregate, NoValidUpdates, Round, available, rule
 
-__version__ = "0.1.0"
+__version__ = _version("fedtrust")
 __all__ = ["Aggregate", "NoValidUpdates", "Round", "__version__", "available", "rule"]

@@ -17,6 +17,18 @@ def check_int(field: str, value: Any, *, minimum: int | None = None) -> int:
     return int(value)
 
 
+#: Seeds are 32-bit unsigned integers: every generator fedtrust feeds (torch, numpy, scikit-learn) takes them.
+SEED_LIMIT = 2**32
+
+
+def check_seed(field: str, value: Any) -> int:
+    """Return ``value`` as a seed in [0, 2**32), or raise naming ``field``."""
+    value = check_int(field, value, minimum=0)
+    if value >= SEED_LIMIT:
+        raise ValueError(f"{field} must be < 2**32 (a 32-bit seed), got {value!r}")
+    return value
+
+
 def check_float(
     field: str,
     value: Any,

@@ -10,6 +10,8 @@ from collections.abc import Callable, Mapping
 from functools import cache
 from typing import Any
 
+from fedtrust._checks import check_seed
+
 
 class UnknownNameError(ValueError):
     """A component name or option that does not exist; the message lists the valid ones."""
@@ -49,7 +51,8 @@ def lookup(kind: str, table: Mapping[str, Callable | str], name: Any) -> Callabl
 
 
 def check_options(kind: str, name: str, builder: Callable, options: Mapping[str, Any], fixed=()) -> None:
-    """Raise naming the first option ``builder`` does not take (``fixed`` ones are supplied by the caller)."""
+    """Raise naming the first option ``builder`` does not take (``fixed`` ones are supplied by the caller),
+    or a ``seed`` option that is not a 32-bit seed (every component's seed is one)."""
     valid = {k: v for k, v in options_of(builder).items() if k not in fixed}
     unknown = [k for k in options if k not in valid]
     if unknown:
@@ -59,6 +62,8 @@ def check_options(kind: str, name: str, builder: Callable, options: Mapping[str,
         raise UnknownNameError(
             f"{kind} {name!r} has no option {unknown[0]!r}; its options: {listed or 'none'}"
         )
+    if "seed" in options:
+        check_seed(f"{kind} {name!r}: seed", options["seed"])
 
 
 def build(kind: str, table: Mapping[str, Callable], name: str, options: Mapping[str, Any], **supplied) -> Any:

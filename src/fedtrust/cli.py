@@ -24,6 +24,31 @@ def demo(
     demo_module.main(out=out, rounds=rounds, seeds=seeds)
 
 
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    """Print ``error: message`` on stderr; raise the returned Exit to stop with ``code``."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _summary(outcomes, folder: Path) -> None:
+    """One line per run: status, final metric, time (the run's own, over its resumptions)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{len(outcomes)} runs in {folder}", title_justify="left")
+    for col in ("run", "status", "final", "time"):
+        table.add_column(col, justify="right" if col == "time" else "left", overflow="fold")
+    for o in outcomes:
+        final = o.final or {}
+        metric = next((k for k in ("accuracy", "rmse") if k in final), None)
+        shown = f"{metric} {final[metric]:.4g} (round {final.get('round')})" if metric else "-"
+        status = {"failed": "[red]failed[/red]"}.get(o.status, o.status)
+        seconds = "-" if o.seconds is None else f"{o.seconds:.1f} s"
+        error = o.error if o.error is None or len(o.error) <= 200 else o.error[:199] + "…"
+        table.add_row(o.label, status, error if o.status == "failed" else shown, seconds)
+    Console().print(table)
+
+
 @app.command()
 def run(
     config: Path = typer.Argument(..., help="Experiment YAML."),
@@ -36,31 +61,37 @@ def run(
         None, help="Write the report into REPORT_DIR/<name> instead (implies --report)."
     ),
     set_: list[str] = typer.Option([], "--set", help="Override a config value, e.g. --set data.name=digits."),
+    force: bool = typer.Option(
+        False, "--force", help="Start over the runs on disk that were computed from another config."
+    ),
 ) -> None:
-    """Run an experiment config (each run of its sweep); finished runs skip, interrupted ones resume."""
+    """Run an experiment config (each run of its sweep). Finished runs of the same config are skipped,
+    interrupted ones resume; runs on disk from another config are refused unless --force."""
     from fedtrust.experiments.config import ConfigError, load
-    from fedtrust.experiments.runner import run_experiment
+    from fedtrust.experiments.runner import ConfigChanged, run_experiment
+    from fedtrust.sim.store import RunLocked
 
+    if config.is_dir():
+        raise _fail(f"{config} is a folder; give an experiment YAML file (e.g. {config}/<name>.yaml)")
+    if out.exists() and not out.is_dir():
+        raise _fail(f"--out {out} is a file; give a folder for the runs")
     try:
         cfg = load(config, set_)
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    outcomes = run_experiment(cfg, out, progress=progress)
+        outcomes = run_experiment(cfg, out, progress=progress, force=force)
+    except (ConfigError, ConfigChanged, OSError) as exc:  # OSError: an --out that cannot be written
+        raise _fail(str(exc)) from None
+    except RunLocked as exc:
+        raise _fail(str(exc), code=1) from None
+    _summary(outcomes, out / cfg.name)
     counts = {s: sum(o.status == s for o in outcomes) for s in ("finished", "skipped", "failed")}
-    typer.echo(
-        f"{len(outcomes)} runs in {out / cfg.name}: " + ", ".join(f"{v} {k}" for k, v in counts.items())
-    )
-    for o in outcomes:
-        if o.status == "failed":
-            typer.echo(f"  failed: {o.label}: {o.error}", err=True)
+    typer.echo(", ".join(f"{v} {k}" for k, v in counts.items()))
     if report or report_dir is not None:
         from fedtrust.report import write_report
 
         target = None if report_dir is None else report_dir / cfg.name
         typer.echo(f"wrote {write_report(out / cfg.name, target)}")
     if counts["failed"]:
-        raise typer.Exit(1)
+        raise _fail(f"{counts['failed']} of {len(outcomes)} runs failed (see the table)", code=1)
 
 
 @app.command()
@@ -68,15 +99,24 @@ def report(
     directory: Path = typer.Argument(..., help="A folder of runs (e.g. results/<experiment>)."),
     out: Path = typer.Option(None, help="Where report.md and the PNGs go (default: DIRECTORY)."),
 ) -> None:
-    """Markdown tables (final metric, detection AUROC, weight on corrupted) and PNG plots of runs on disk."""
-    from fedtrust.report import write_report
+    """Markdown tables (final metric, detection AUROC, weight on corrupted) and PNG plots of runs on disk.
+    Failed, unfinished and unreadable runs are listed, never averaged in; unreadable ones (damaged files)
+    make the exit status non-zero."""
+    from fedtrust.report import load_runs, write_report
 
+    if out is not None and out.exists() and not out.is_dir():
+        raise _fail(f"--out {out} is a file; give a folder for the report")
     try:
         path = write_report(directory, out)
     except FileNotFoundError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise _fail(str(exc)) from None
     typer.echo(f"wrote {path}")
+    left_out = [r for r in load_runs(directory) if r.status != "finished"]
+    for r in left_out:
+        typer.echo(f"{r.status}: {r.directory}: {r.reason}", err=True)
+    unreadable = sum(r.status == "unreadable" for r in left_out)
+    if unreadable:
+        raise _fail(f"{unreadable} runs could not be read back (listed in {path}); rerun them", code=1)
 
 
 @app.command()
@@ -96,6 +136,8 @@ def infer(
     from fedtrust.inference import METHODS
     from fedtrust.inference.csvio import read_estimates, write_results
 
+    if out.is_dir():
+        raise _fail(f"--out {out} is a folder; give the consensus CSV's file name (e.g. {out}/consensus.csv)")
     try:
         fn = lookup("method", METHODS, method)
         tasks, sources, x = read_estimates(estimates)

@@ -66,7 +66,10 @@ def main(out: str | Path = "results", rounds: int = 30, seeds: int = 3, progress
         t.add_column(col, justify="left" if col == "rule" else "right")
 
     def fmt(cell):
-        return "-" if cell is None else f"{cell[0]:.3f} ± {cell[1]:.3f}"
+        if cell is None:
+            return "-"
+        failed = f" ({cell.failed} failed)" if cell.failed else ""
+        return "failed" if not cell.count else f"{cell.mean:.3f} ± {cell.sd:.3f}{failed}"
 
     for rule in rules:
         key = (rule, setting)

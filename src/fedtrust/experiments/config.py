@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from fedtrust._checks import SEED_LIMIT
 from fedtrust._registry import UnknownNameError, build, check_options, lookup
 from fedtrust.aggregators import RULES
 from fedtrust.attacks import ATTACKS
@@ -47,7 +48,7 @@ class ConfigError(ValueError):
 class _Component(BaseModel):
     """``name`` plus the component's own options, inline."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     name: str
 
     @property
@@ -82,7 +83,7 @@ class ModelConfig(_Component):
 
 
 class LieConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     metric: str = "train_loss"
     value: float = 0.0
 
@@ -104,10 +105,10 @@ class RuleConfig(_Component):
 
 
 class ExperimentConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = "experiment"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT, description="a 32-bit seed")
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     train: TrainSettings = TrainSettings()

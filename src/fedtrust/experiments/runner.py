@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import platform
 import traceback
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ import fedtrust
 from fedtrust._registry import build
 from fedtrust.aggregators import RULES
 from fedtrust.attacks import ATTACKS
+from fedtrust.checkpoint import CorruptFileError
 from fedtrust.data import DATASETS
 from fedtrust.data.corruptions import DATA_CORRUPTIONS
 from fedtrust.data.partition import PARTITIONERS
@@ -32,6 +35,12 @@ class RunOutcome:
     status: str  # "finished", "skipped" (already finished), "failed"
     final: dict | None = None
     error: str | None = None
+    seconds: float | None = None
+
+
+class ConfigChanged(ValueError):
+    """Runs on disk were computed from another config (or fedtrust version); the message names the runs
+    and the differing keys."""
 
 
 def versions() -> dict[str, str]:
@@ -84,11 +93,73 @@ def build_simulation(cfg: ExperimentConfig, datasets: _DatasetCache | None = Non
     return Simulation(federation, model, rule, cfg.train, cfg.seed, attack=attack, lie=lie)
 
 
-def run_experiment(cfg: ExperimentConfig, out: str | Path, progress: bool = True) -> list[RunOutcome]:
-    """Run every run of ``cfg``'s sweep under ``out/<cfg.name>/<label>``. Finished runs are skipped,
-    interrupted ones resume from their last checkpoint; a run that fails is recorded and the rest go on."""
+def config_hash(cfg: ExperimentConfig) -> str:
+    """SHA-256 of the fully resolved run config (defaults filled in, overrides and sweep applied)."""
+    resolved = json.dumps(cfg.model_dump(mode="json", exclude={"sweep"}), sort_keys=True, default=str)
+    return hashlib.sha256(resolved.encode()).hexdigest()
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict) and tree:
+        return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix.removesuffix("."): tree}
+
+
+def differences(manifest: dict, cfg: ExperimentConfig) -> list[str]:
+    """How the run a manifest describes differs from ``cfg`` under this fedtrust ("path: old -> new");
+    empty when it computes the same thing."""
+    stored = (manifest.get("versions") or {}).get("fedtrust")
+    out = [] if stored == fedtrust.__version__ else [f"fedtrust version: {stored} -> {fedtrust.__version__}"]
+    if manifest.get("config_hash") == config_hash(cfg):
+        return out
+    old, new = _flat(manifest.get("config") or {}), _flat(cfg.model_dump(mode="json", exclude={"sweep"}))
+    changed = [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
+               for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]  # fmt: skip
+    return out + (changed or ["its config hash differs (written by a fedtrust without one)"])
+
+
+def _preflight(runs, root: Path, force: bool) -> tuple[set[str], dict[str, str]]:
+    """Runs to start over (config changed or files unreadable, with ``force``) and runs that cannot go
+    on (unreadable manifest, without ``force``: label -> why). Raises :class:`ConfigChanged` before
+    anything runs when a run on disk computed something else and ``force`` is not set."""
+    redo, broken, changed = set(), {}, []
+    for label, run_cfg in runs:
+        store = RunStore(root / label)
+        try:
+            manifest = store.manifest()
+        except CorruptFileError as exc:
+            if force:
+                redo.add(label)
+            else:
+                broken[label] = str(exc)
+            continue
+        diff = differences(manifest, run_cfg) if manifest is not None else []
+        if diff:
+            redo.add(label)
+            changed.append(f"  {label}: " + "; ".join(diff))
+    if changed and not force:
+        raise ConfigChanged(
+            f"{len(changed)} run(s) in {root} were computed from another config, so they are neither "
+            "skipped nor resumed (nothing was run):\n" + "\n".join(changed) + "\n"
+            "Use --force to start those runs over, or write to another --out."
+        )
+    return redo, broken
+
+
+def run_experiment(
+    cfg: ExperimentConfig, out: str | Path, progress: bool = True, force: bool = False
+) -> list[RunOutcome]:
+    """Run every run of ``cfg``'s sweep under ``out/<cfg.name>/<label>``. A run is identified by what it
+    computes (the hash of its resolved config, and the fedtrust version): a finished run with the same
+    identity is skipped, an interrupted one resumes from its last good checkpoint, and one computed from
+    another config is refused (:class:`ConfigChanged`) unless ``force`` starts it over. Each run is
+    written under its directory's lock (:class:`~fedtrust.sim.store.RunLocked` when another process
+    holds it). A run that fails is recorded and the rest go on."""
     runs = expand(cfg)
     root = Path(out) / cfg.name
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(f"{root} is a file; --out must be a folder")
+    redo, broken = _preflight(runs, root, force)
     datasets = _DatasetCache()
     outcomes: list[RunOutcome] = []
     bar = _Progress(
@@ -98,32 +169,44 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, progress: bool = True
         for index, (label, run_cfg) in enumerate(runs):
             store = RunStore(root / label)
             rounds = 1 if run_cfg.train.mode == "one_round" else run_cfg.train.rounds
-            if store.is_finished():
+            if label in broken:
                 bar.advance(rounds, label)
-                outcomes.append(RunOutcome(label, store.dir, "skipped", store.manifest().get("final")))
+                outcomes.append(RunOutcome(label, store.dir, "failed", error=broken[label]))
                 continue
-            swept = {p: _at(run_cfg.model_dump(), p) for key in cfg.sweep for p in key.split("+")}
-            manifest = {
-                "experiment": cfg.name,
-                "run": label,
-                "index": index,
-                "swept": swept,
-                "seed": run_cfg.seed,
-                "config": run_cfg.model_dump(exclude={"sweep"}),
-                "versions": versions(),
-            }
-            already = len(store.rounds())
-            bar.advance(already, label)
-            try:
-                sim = build_simulation(run_cfg, datasets)
-                sim.run(store, manifest, on_round=lambda r, label=label: bar.advance(1, label))
-            except Exception as exc:  # a broken run must not take the sweep down
-                store.update_manifest(**manifest, status="failed", error=f"{type(exc).__name__}: {exc}",
-                                      traceback=traceback.format_exc())  # fmt: skip
-                outcomes.append(RunOutcome(label, store.dir, "failed", error=f"{type(exc).__name__}: {exc}"))
-                continue
-            outcomes.append(RunOutcome(label, store.dir, "finished", store.manifest().get("final")))
+            with store.lock():
+                if label in redo:
+                    store.clear()
+                outcomes.append(_run_one(cfg, index, label, run_cfg, store, datasets, bar, rounds))
     return outcomes
+
+
+def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds: int) -> RunOutcome:
+    if store.finished_rounds(rounds) is not None:
+        manifest = store.manifest()
+        bar.advance(rounds, label)
+        return RunOutcome(label, store.dir, "skipped", manifest.get("final"), seconds=manifest.get("seconds"))
+    swept = {p: _at(run_cfg.model_dump(), p) for key in cfg.sweep for p in key.split("+")}
+    identity = {
+        "experiment": cfg.name,
+        "run": label,
+        "index": index,
+        "swept": swept,
+        "seed": run_cfg.seed,
+        "config": run_cfg.model_dump(mode="json", exclude={"sweep"}),
+        "config_hash": config_hash(run_cfg),
+        "versions": versions(),
+    }
+    bar.advance(len(store.read_rounds()[0]), label)
+    try:
+        sim = build_simulation(run_cfg, datasets)
+        sim.run(store, identity, on_round=lambda r: bar.advance(1, label))
+    except Exception as exc:  # noqa: BLE001 - a broken run must not take the sweep down
+        error = f"{type(exc).__name__}: {exc}"
+        store.update_manifest(**identity, status="failed", error=error, traceback=traceback.format_exc())
+        return RunOutcome(label, store.dir, "failed", error=error)
+    m = store.manifest() or {}
+    status = "failed" if sim.failure else "finished"
+    return RunOutcome(label, store.dir, status, m.get("final"), sim.failure, m.get("seconds"))
 
 
 def _at(tree: dict, dotted: str) -> Any:

@@ -17,6 +17,7 @@ from flwr.supercore import log
 
 from fedtrust.aggregators import NoValidUpdates, Round
 from fedtrust.aggregators import rule as build_rule
+from fedtrust.checkpoint import load_state, save_state
 from fedtrust.flower.arrays import ArrayLayout, MalformedReply
 from fedtrust.models import FlatModel
 
@@ -37,7 +38,8 @@ class TrustStrategy(FedAvg):
     for FOCUS and the ARFL defence). A reply that failed, lacks keys, or has arrays of the wrong
     shape is dropped with a logged reason and the round goes on with the rest (Flower's FedAvg raises
     InconsistentMessageReplies instead); the rule quarantines non-finite updates itself. A round the
-    rule cannot aggregate keeps the previous model.
+    rule cannot aggregate (every reply dropped or quarantined, or an aggregate that would make the model
+    non-finite) keeps the previous model, returned again so that Flower's result holds it, and logs why.
 
     The returned MetricRecord carries the clients' averaged train metrics and, aligned lists,
     ``trust-node-ids`` / ``trust``. ``history`` keeps every round's trust, drops and quarantines;
@@ -79,7 +81,8 @@ class TrustStrategy(FedAvg):
         self.posterior_var: torch.Tensor | None = None
         self._observed = False
         if self.state_path is not None and self.state_path.exists():
-            self.rule.load_state_dict(torch.load(self.state_path, weights_only=False))
+            state = load_state(self.state_path, remedy="delete it to start the rule's state afresh")
+            self.rule.load_state_dict(state)
             self._observed = True
 
     def summary(self) -> None:
@@ -190,6 +193,7 @@ class TrustStrategy(FedAvg):
         }
         log(INFO, "aggregate_train: %d replies, %d dropped", len(replies), len(dropped))
         if not accepted:
+            log(WARNING, "aggregate_train: no usable reply of %d; the global model stays", len(replies))
             return self._finish(record, None, "no usable reply")
         nodes = [a[0] for a in accepted]
         shared = set.intersection(*(set(a[2]) for a in accepted)) - {NUM_EXAMPLES}
@@ -203,9 +207,12 @@ class TrustStrategy(FedAvg):
             )
             out = self.rule(round_)
         except (NoValidUpdates, ValueError) as exc:
-            log(WARNING, "aggregate_train: %s; the global model stays", exc)
+            log(WARNING, "aggregate_train: no update applied, the global model stays: %s", exc)
             return self._finish(record, None, f"{type(exc).__name__}: {exc}")
         vector = self.global_vector + out.vector
+        if not bool(torch.isfinite(vector).all()):
+            log(WARNING, "aggregate_train: the aggregate would make the global model non-finite; it stays")
+            return self._finish(record, None, "the aggregate made the global model non-finite")
         if "posterior_var" in out.info:
             self.posterior_var = out.info["posterior_var"].detach().float()
         weights = out.weights.tolist()
@@ -233,10 +240,10 @@ class TrustStrategy(FedAvg):
             with open(self.history_path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
         if self.state_path is not None:
-            self.state_path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(self.rule.state_dict(), self.state_path)
-        if error is not None:
-            return None, MetricRecord({"dropped": len(record["dropped"])})
+            save_state(self.state_path, self.rule.state_dict())
+        if error is not None:  # the previous model again: Flower's Result would otherwise hold no arrays
+            previous = self.layout.unflatten(self.global_vector)
+            return previous, MetricRecord({"dropped": len(record["dropped"])})
         return None
 
     # ------------------------------------------------------------------ evaluation

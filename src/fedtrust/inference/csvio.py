@@ -11,25 +11,35 @@ import torch
 from fedtrust.inference.result import InferenceResult
 
 _ID_HEADERS = {"", "task", "id", "item", "task_id"}
+_MISSING = {"", "nan", "na", "n/a", "null"}
 
 
 def read_estimates(path: str | Path) -> tuple[list[str], list[str], torch.Tensor]:
     """(task ids, source names, (tasks, sources) float64 estimates with NaN where blank).
 
     The header names the sources; a first column headed '', 'task', 'id', 'item' or 'task_id' holds
-    task ids (otherwise tasks are numbered from 0)."""
+    task ids (otherwise tasks are numbered from 0). A first row of numbers only is refused (a file without
+    a header). A blank (or nan / NA) cell is a missing estimate; text or an infinite value is an error
+    naming the line and the source."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"estimates file {path} does not exist")
     with open(path, newline="") as fh:
-        rows = [row for row in csv.reader(fh) if any(cell.strip() for cell in row)]
-    if len(rows) < 2:
+        reader = csv.reader(fh)
+        numbered = [(reader.line_num, row) for row in reader if any(cell.strip() for cell in row)]
+    if len(numbered) < 2:
         raise ValueError(f"{path}: needs a header row naming the sources and at least one task row")
+    lines, rows = zip(*numbered, strict=True)
     header = [h.strip() for h in rows[0]]
+    if all(_is_number(h) for h in header if h):
+        raise ValueError(
+            f"{path}, line {lines[0]}: the first row holds numbers, not source names; add a header row "
+            "naming the sources (numbered sources: head a first column of task ids 'task')"
+        )
     has_ids = header[0].lower() in _ID_HEADERS
     sources = header[1:] if has_ids else header
     tasks, values = [], []
-    for n, row in enumerate(rows[1:], start=2):
+    for k, (n, row) in enumerate(zip(lines[1:], rows[1:], strict=True)):
         cells = row[1:] if has_ids else row
         if len(cells) > len(sources):
             raise ValueError(
@@ -39,13 +49,31 @@ def read_estimates(path: str | Path) -> tuple[list[str], list[str], torch.Tensor
         parsed = []
         for source, cell in zip(sources, cells, strict=True):
             cell = cell.strip()
-            try:
-                parsed.append(float(cell) if cell else math.nan)
-            except ValueError:
-                raise ValueError(f"{path}, line {n}, source {source!r}: {cell!r} is not a number") from None
-        tasks.append(row[0].strip() if has_ids else str(n - 2))
+            parsed.append(_value(cell, f"{path}, line {n}, source {source!r}"))
+        tasks.append(row[0].strip() if has_ids else str(k))
         values.append(parsed)
     return tasks, sources, torch.tensor(values, dtype=torch.float64)
+
+
+def _value(cell: str, where: str) -> float:
+    """A cell's estimate: NaN for a blank (or nan / NA) cell, an error for text or an infinite value."""
+    if cell.lower() in _MISSING:
+        return math.nan
+    try:
+        value = float(cell)
+    except ValueError:
+        raise ValueError(f"{where}: {cell!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{where}: {cell!r} is not finite; leave the cell blank for a missing estimate")
+    return value
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def write_results(

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
-import math
 import re
+from collections import Counter
 from pathlib import Path
 
 from fedtrust.report.figures import calibration, metric_curves, sweep_curves, trust_heatmaps
-from fedtrust.report.results import Run, is_replicate, load_runs, table
+from fedtrust.report.results import Cell, Run, is_replicate, load_runs, table
 
 __all__ = ["Run", "load_runs", "write_report"]
 
 
-def _cell(cell) -> str:
+def _cell(cell: Cell | None) -> str:
+    """``mean ± sd`` over the finished runs' finite values, noting runs that failed or ended non-finite."""
     if cell is None:
         return "-"
-    mean, sd, count, diverged = cell
-    if math.isnan(mean):
-        return "diverged" if diverged else "-"
-    note = f" ({diverged}/{count} diverged)" if diverged else ""
-    return (f"{mean:.3f} ± {sd:.3f}" if count - diverged > 1 else f"{mean:.3f}") + note
+    notes = [f"{k}/{cell.count + cell.failed} {what}" for k, what in
+             ((cell.nonfinite, "non-finite"), (cell.failed, "failed")) if k]  # fmt: skip
+    finite = cell.count - cell.nonfinite
+    if finite == 0:
+        return "failed" if cell.failed and not cell.nonfinite else ", ".join(notes)
+    text = f"{cell.mean:.3f} ± {cell.sd:.3f}" if finite > 1 else f"{cell.mean:.3f}"
+    return text + (f" ({', '.join(notes)})" if notes else "")
 
 
 def _markdown_table(rules, settings, cells, first: str) -> list[str]:
@@ -35,7 +38,8 @@ def _slug(text: str) -> str:
 
 def _other_metrics(runs: list[Run], main: str) -> list[str]:
     """A table for every other final metric the runs report (loss, NLL, CRPS, coverage, ...)."""
-    keys = list(dict.fromkeys(k for r in runs for k in r.final_metrics() if k != main))
+    finished = [r for r in runs if r.status == "finished"]
+    keys = list(dict.fromkeys(k for r in finished for k in r.final_metrics() if k != main))
     lines = []
     for key in keys:
         lines += [
@@ -72,42 +76,53 @@ def write_report(directory: str | Path, out: str | Path | None = None) -> Path:
         raise FileNotFoundError(f"no runs (manifest.json) under {directory}")
     out = Path(out) if out else directory
     out.mkdir(parents=True, exist_ok=True)
-    done = [r for r in runs if r.rounds]
+    done = [r for r in runs if r.status == "finished"]
     metric = done[0].metric if done else "accuracy"
-    seeds = sorted({r.seed for r in runs})
+    seeds = sorted({r.seed for r in runs if r.manifest})
+    counts = Counter(r.status for r in runs)
+    statuses = [f"{counts[k]} {k}" for k in ("finished", "failed", "running", "unreadable") if counts[k]]
     lines = [
         f"# Report: {directory.name}",
         "",
-        f"{len(runs)} runs ({sum(r.status == 'finished' for r in runs)} finished, "
-        f"{sum(r.status == 'failed' for r in runs)} failed); seeds {seeds}. Cells: mean ± sd over seeds.",
+        f"{len(runs)} runs ({', '.join(statuses)}); "
+        f"seeds {seeds}. Cells: mean ± sd over the seeds of finished runs; failed runs are counted, not "
+        "averaged in, and never plotted.",
         "",
         f"## Final test {metric}" + (" (higher is better)" if metric == "accuracy" else " (lower is better)"),
         "",
-        *_markdown_table(*table(done, Run.final), "rule"),
+        *_markdown_table(*table(runs, Run.final), "rule"),
         "",
-        *_other_metrics(done, metric),
+        *_other_metrics(runs, metric),
         "## Detection: AUROC of trust against the hidden corrupted flags",
         "",
         "Per run, the mean over rounds of the probability that a corrupted client got less weight than an "
         "honest one (0.5 = no better than chance; '-' = no round had both kinds of client).",
         "",
-        *_markdown_table(*table(done, Run.mean_auroc), "rule"),
+        *_markdown_table(*table(runs, Run.mean_auroc), "rule"),
         "",
         "## Weight on corrupted clients",
         "",
         "Mean over rounds of the total weight the rule gave corrupted clients (their share of the clients "
         "is what a rule that cannot tell them apart would give).",
         "",
-        *_markdown_table(*table(done, Run.corrupted_weight), "rule"),
+        *_markdown_table(*table(runs, Run.corrupted_weight), "rule"),
         "",
     ]
-    failed = [r for r in runs if r.status == "failed"]
-    if failed:
-        lines += (
-            ["## Failed runs", ""]
-            + [f"- {r.directory.name}: {r.manifest.get('error')}" for r in failed]
-            + [""]
-        )
+    for status, title in (
+        ("failed", "Failed runs"),
+        ("running", "Unfinished runs (interrupted or still running; left out)"),
+        ("unreadable", "Unreadable runs (left out)"),
+    ):
+        listed = [r for r in runs if r.status == status]
+        if listed:
+            why = {
+                "failed": lambda r: r.manifest.get("error"),
+                "running": lambda r: f"{len(r.rounds)} rounds so far",
+            }
+            lines += [f"## {title}", ""]
+            lines += [f"- {r.directory.name}: {why.get(status, lambda r: r.problem)(r)}" for r in listed] + [
+                ""
+            ]
     skipped = [(r, r.errors()) for r in done if r.errors()]
     if skipped:
         lines += ["## Rounds skipped because the rule raised", ""]

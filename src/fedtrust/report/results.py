@@ -2,23 +2,35 @@
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+from fedtrust.checkpoint import CorruptFileError
+from fedtrust.sim.store import RunStore
 
 
 @dataclass
 class Run:
+    """One run read back from disk. ``problem`` says why its files cannot be trusted (then its status is
+    "unreadable" and its numbers are left out of every table and plot)."""
+
     directory: Path
     manifest: dict[str, Any]
     rounds: list[dict[str, Any]] = field(repr=False)
+    problem: str | None = None
 
     @property
     def status(self) -> str:
-        return self.manifest.get("status", "unknown")
+        """finished, failed (``manifest["error"]`` says why), running (interrupted), or unreadable."""
+        return "unreadable" if self.problem else self.manifest.get("status", "unknown")
+
+    @property
+    def reason(self) -> str:
+        """Why a run is not counted: its error, its file problem, or how far it got."""
+        return self.problem or self.manifest.get("error") or f"{len(self.rounds)} rounds so far"
 
     @property
     def seed(self) -> int:
@@ -103,21 +115,26 @@ def is_replicate(path: str) -> bool:
 
 
 def load_runs(directory: str | Path) -> list[Run]:
-    """Every run folder (one with a manifest.json) under ``directory``."""
+    """Every run folder (one with a manifest.json) under ``directory``. A run whose manifest or round
+    records cannot be read back, or that says finished without every round, comes back with its
+    ``problem`` set instead of raising: one damaged run does not hide the others."""
     directory = Path(directory)
     if not directory.exists():
         raise FileNotFoundError(f"{directory} does not exist")
     runs = []
-    for manifest in sorted(directory.rglob("manifest.json")):
-        rounds = []
-        path = manifest.parent / "rounds.jsonl"
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    rounds.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
-        runs.append(Run(manifest.parent, json.loads(manifest.read_text()), rounds))
+    for path in sorted(directory.rglob("manifest.json")):
+        store = RunStore(path.parent)
+        try:
+            manifest = store.manifest() or {}
+        except CorruptFileError as exc:
+            runs.append(Run(path.parent, {}, [], str(exc)))
+            continue
+        rounds, problem = store.read_rounds()
+        train = (manifest.get("config") or {}).get("train", {})
+        expected = 1 if train.get("mode") == "one_round" else train.get("rounds")
+        if problem is None and manifest.get("status") == "finished" and len(rounds) != expected:
+            problem = f"{store.rounds_path} has {len(rounds)} rounds but the run says it finished {expected}"
+        runs.append(Run(path.parent, manifest, rounds, problem))
     runs.sort(key=lambda r: (r.manifest.get("experiment", ""), r.manifest.get("index", 0)))  # sweep order
     return runs
 
@@ -130,17 +147,31 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def table(runs: list[Run], value) -> tuple[list[str], list[str], dict[tuple[str, str], tuple]]:
-    """Rows = rules, columns = settings, cells = (mean, sd, seeds, diverged) of ``value(run)`` over seeds:
-    mean and sd of the finite values, and how many runs ended non-finite (a diverged model)."""
-    rules = list(dict.fromkeys(r.rule for r in runs))
-    settings = list(dict.fromkeys(r.setting for r in runs))
+class Cell(NamedTuple):
+    """A table cell: mean and sd over the finished runs' finite values, how many values, how many of them
+    were not finite (a model whose metric is inf or NaN), and how many runs of the cell failed."""
+
+    mean: float
+    sd: float
+    count: int
+    nonfinite: int
+    failed: int
+
+
+def table(runs: list[Run], value) -> tuple[list[str], list[str], dict[tuple[str, str], Cell]]:
+    """Rows = rules, columns = settings, cells = :class:`Cell` of ``value(run)`` over the finished runs
+    (seeds) of that rule and setting; failed runs are counted, never averaged in."""
+    rules = list(dict.fromkeys(r.rule for r in runs if r.manifest))
+    settings = list(dict.fromkeys(r.setting for r in runs if r.manifest))
     cells = {}
     for rule in rules:
         for setting in settings:
-            vals = [value(r) for r in runs if r.rule == rule and r.setting == setting]
-            vals = [v for v in vals if v is not None]
-            if vals:
+            mine = [r for r in runs if r.manifest and r.rule == rule and r.setting == setting]
+            vals = [v for v in (value(r) for r in mine if r.status == "finished") if v is not None]
+            failed = sum(r.status == "failed" for r in mine)
+            if vals or failed:
                 m, s = mean_sd(vals)
-                cells[(rule, setting)] = (m, s, len(vals), sum(not math.isfinite(v) for v in vals))
+                cells[(rule, setting)] = Cell(
+                    m, s, len(vals), sum(not math.isfinite(v) for v in vals), failed
+                )
     return rules, settings, cells

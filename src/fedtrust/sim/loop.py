@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fedtrust.aggregators import NoValidUpdates, Round
+from fedtrust.aggregators import Round
 from fedtrust.attacks import AttackContext
 from fedtrust.models import FlatModel
 from fedtrust.probabilistic import scoring
@@ -26,7 +27,7 @@ from fedtrust.sim.federation import Federation
 from fedtrust.sim.scoring import detection_auroc
 from fedtrust.sim.seeding import stream
 from fedtrust.sim.settings import TrainSettings
-from fedtrust.sim.store import RunStore, now
+from fedtrust.sim.store import RecoveryWarning, RunStore, now
 from fedtrust.sim.training import local_sgd, mean_loss, minibatch_gradient
 
 
@@ -70,6 +71,7 @@ class Simulation:
         self.initial = model.init(seed)
         self.vector = self.initial.clone()
         self.posterior: GaussianPosterior | None = None
+        self.failure: str | None = None  # why the last run failed (see run), None when it did not
         self._posterior_data: list = []
         convolutional = any(isinstance(m, torch.nn.Conv2d) for m in model.module.modules())
         self.batched = settings.executor == "batched" or (settings.executor == "auto" and not convolutional)
@@ -212,7 +214,7 @@ class Simulation:
         error, weights, info, quarantined = None, [math.nan] * len(chosen), {}, {}
         try:
             out = self.rule(round_)
-        except (NoValidUpdates, ValueError) as exc:  # the round is skipped, the run goes on
+        except Exception as exc:  # noqa: BLE001 - the round is skipped and recorded, the run goes on
             error = f"{type(exc).__name__}: {exc}"
         else:
             before = self.initial if self.settings.mode == "one_round" else self.vector
@@ -255,43 +257,107 @@ class Simulation:
         on_round: Callable[[dict], None] | None = None,
     ) -> list[dict[str, Any]]:
         """Run every round; with a ``store``, write results as they come, checkpoint, and resume where an
-        interrupted run stopped (a finished run is not run again)."""
+        interrupted run stopped (a finished run whose files read back is not run again). Damaged files
+        are not trusted: the run resumes from the newest checkpoint that reads back and that its round
+        records reach (or from the start), and says so in the manifest (``recovered``) and a warning.
+
+        The run *fails* (``failure`` says why, the manifest's status is ``failed``) when no round could
+        be aggregated, or when the global model went non-finite (it stops there)."""
+        began = time.perf_counter()
+        self.failure = None
+        records: list[dict[str, Any]] = []
         first = 1
+        stored: dict[str, Any] = {}
         if store is not None:
-            if store.is_finished():
-                return store.rounds()
-            checkpoint = store.load_checkpoint()
-            done = 0
-            if checkpoint is not None:
-                self.vector = checkpoint["vector"]
-                self.rule.load_state_dict(checkpoint["rule_state"])
-                done = checkpoint["round"]
-            store.keep_rounds_up_to(done)
-            first = done + 1
-            if done == 0:
-                store.write_manifest({**(manifest or {}), "status": "running", "started": now()})
+            finished = store.finished_rounds(self.rounds)
+            if finished is not None:
+                return finished
+            stored = {k: v for k, v in (store.manifest() or {}).items() if k not in ("error", "traceback")}
+            records, problem = store.read_rounds()
+            records, notes = self._resume(store, records, [problem] if problem else [])
+            first = len(records) + 1
+            for note in notes:
+                warnings.warn(f"{note}; resuming from round {first}", RecoveryWarning, stacklevel=2)
+            fields = {"status": "running", "recovered": stored.get("recovered", []) + notes}
+            if first == 1:
+                fields["started"] = now()
+            store.write_manifest({**stored, **(manifest or {}), **fields})
         if first == 1 and hasattr(self.rule, "observe"):
             self.initial_report()
-        records = store.rounds() if store is not None else []
         for t in range(first, self.rounds + 1):
             record = self.step(t)
             records.append(record)
+            diverged = not bool(torch.isfinite(self.vector).all())
             if store is not None:
                 store.append_round(record)
-                if t % self.settings.checkpoint_every == 0 or t == self.rounds:
+                if not diverged and t == self.rounds:  # before the last checkpoint: a resume cannot redo it
+                    self._save_predictions(store)
+                if not diverged and (t % self.settings.checkpoint_every == 0 or t == self.rounds):
                     store.save_checkpoint(
                         {"round": t, "vector": self.vector, "rule_state": self.rule.state_dict()}
                     )
             if on_round is not None:
                 on_round(record)
+            if diverged:
+                self.failure = f"the global model went non-finite in round {t} (diverged); the run stopped"
+                break
+        if self.failure is None and not any(r["error"] is None for r in records):
+            self.failure = f"no round could be aggregated: all {len(records)} failed ({records[0]['error']})"
         if store is not None:
-            if self.posterior is not None and self.fed.dataset.num_classes is None:
-                data = self.fed.dataset
-                mu, sigma = self.predictive(data.x_test, self.rounds)
-                s, c = data.y_scale, data.y_shift
-                store.save_predictions(data.y_test * s + c, mu * s + c, sigma * s)
-            store.update_manifest(status="finished", finished=now(), final=final_metrics(records))
+            store.update_manifest(
+                status="failed" if self.failure else "finished",
+                error=self.failure,
+                finished=now(),
+                final=final_metrics(records),
+                seconds=(stored.get("seconds") or 0.0) + time.perf_counter() - began,
+            )
         return records
+
+    def _save_predictions(self, store: RunStore) -> None:
+        """The final predictive distribution on the test set, for a regression run with a posterior."""
+        if self.posterior is not None and self.fed.dataset.num_classes is None:
+            data = self.fed.dataset
+            mu, sigma = self.predictive(data.x_test, self.rounds)
+            s, c = data.y_scale, data.y_shift
+            store.save_predictions(data.y_test * s + c, mu * s + c, sigma * s)
+
+    def _resume(
+        self, store: RunStore, records: list[dict[str, Any]], notes: list[str]
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """Restore the global vector and the rule's state from the newest checkpoint that reads back, fits
+        this run, and is reached by the readable ``records``; keep the records up to it. Returns them and
+        what had to be skipped (a damaged file, a checkpoint past the readable records)."""
+        done = 0
+        for path, state, fault in store.checkpoints():
+            if fault is None:
+                fault = self._restore(path, state, len(records))
+            if fault is None:
+                done = state["round"]
+                break
+            notes.append(fault)
+        if records or done:
+            store.keep_rounds_up_to(done)
+        return records[:done], notes
+
+    def _restore(self, path, state: dict[str, Any], readable: int) -> str | None:
+        """Load a checkpoint's vector and rule state; None on success, else why it cannot be used (the
+        rule's ``load_state_dict`` checks its state before changing anything)."""
+        if not isinstance(state, dict) or set(state) != {"round", "vector", "rule_state"}:
+            return f"{path} is not a checkpoint of a simulated run"
+        t, vector = state["round"], state["vector"]
+        if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= self.rounds:
+            return f"{path} is for round {t!r}, not one of this run's rounds 1..{self.rounds}"
+        if t > readable:
+            return f"{path} is for round {t}, past the {readable} readable rounds of rounds.jsonl"
+        fits = isinstance(vector, torch.Tensor) and vector.shape == self.vector.shape
+        if not (fits and vector.is_floating_point() and bool(torch.isfinite(vector).all())):
+            return f"{path}: its global vector is not {self.model.num_params} finite numbers"
+        try:
+            self.rule.load_state_dict(state["rule_state"])
+        except (ValueError, TypeError) as exc:
+            return f"{path}: the rule refuses its state ({exc})"
+        self.vector = vector.to(self.vector.dtype)
+        return None
 
 
 def final_metrics(records: list[dict]) -> dict | None:

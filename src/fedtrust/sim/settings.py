@@ -18,7 +18,7 @@ class TrainSettings(BaseModel):
           local_epochs and send the change once; the aggregate is the final model.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     mode: Literal["params", "gradient", "one_round"] = "params"
     rounds: int = Field(30, ge=1)

@@ -1,87 +1,215 @@
-"""On-disk layout of one run: manifest.json, rounds.jsonl (one line per round), checkpoint.pt."""
+"""On-disk layout of one run, and the checks that make reading it back honest.
+
+    manifest.json               what the run computes (its resolved config and hash), status, final metrics
+    rounds.jsonl                one JSON line per finished round, rounds 1, 2, ... in order
+    checkpoint.safetensors      the newest checkpoint (global vector, rule state, round)
+    checkpoint.prev.safetensors the one before it, kept in case the newest is damaged
+    .lock, .lock.holder.json    one writer at a time, and who it is
+
+Every file is written atomically or appended line by line with a sync; every reader either returns
+exactly what was written or raises :class:`~fedtrust.checkpoint.CorruptFileError` naming the file, the
+fault and the remedy.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
+from fedtrust.checkpoint import CorruptFileError, atomic_write, load_state, save_state
+
+#: What a user can do about a run whose files cannot be trusted.
+START_OVER = "run `fedtrust run` again with --force to start this run over, or write to another --out"
+
+
+class RecoveryWarning(UserWarning):
+    """A run resumed from an earlier point than its files claimed, because some of them were damaged."""
+
+
+class RunLocked(RuntimeError):
+    """Another process is writing this run directory; the message says which."""
 
 
 class RunStore:
-    """A run directory. ``rounds.jsonl`` gains one line per finished round; a checkpoint every few
-    rounds; on resume the lines after the checkpoint are dropped and redone, so no round is lost or
-    written twice."""
+    """A run directory. ``rounds.jsonl`` gains one line per finished round and a checkpoint is written
+    every few rounds; on resume the lines after the checkpoint are dropped and redone, so no round is
+    lost or written twice."""
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
         self.manifest_path = self.dir / "manifest.json"
         self.rounds_path = self.dir / "rounds.jsonl"
-        self.checkpoint_path = self.dir / "checkpoint.pt"
+        self.checkpoint_path = self.dir / "checkpoint.safetensors"
+        self.previous_checkpoint_path = self.dir / "checkpoint.prev.safetensors"
+        self.lock_path = self.dir / ".lock"
+        self.holder_path = self.dir / ".lock.holder.json"
+
+    # ------------------------------------------------------------------ one writer
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the directory's lock (``filelock``) while writing; raises :class:`RunLocked` naming the
+        process that holds it. The OS frees the lock when its holder dies, so a crash leaves none behind."""
+        from filelock import FileLock, Timeout
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(self.lock_path, timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            raise RunLocked(
+                f"{self.dir} is being written by another fedtrust process ({self._holder()}); wait for it "
+                "to finish, or write to another --out"
+            ) from None
+        try:
+            atomic_write(
+                self.holder_path,
+                json.dumps(
+                    {
+                        "pid": os.getpid(),
+                        "host": socket.gethostname(),
+                        "since": now(),
+                        "command": " ".join(sys.argv),
+                    }
+                ),  # fmt: skip
+            )
+            yield
+        finally:
+            self.holder_path.unlink(missing_ok=True)
+            lock.release()
+
+    def _holder(self) -> str:
+        try:
+            h = json.loads(self.holder_path.read_text())
+            return f"pid {h['pid']} on {h['host']} since {h['since']}: {h['command']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "holder unknown"
+
+    # ------------------------------------------------------------------ manifest
 
     def manifest(self) -> dict[str, Any] | None:
+        """The manifest, or None before the run's first write; raises CorruptFileError when unreadable."""
         if not self.manifest_path.exists():
             return None
-        return json.loads(self.manifest_path.read_text())
+        text = self.manifest_path.read_text()
+        try:
+            manifest = json.loads(text)
+        except json.JSONDecodeError as exc:
+            what = "is empty" if not text.strip() else f"is not valid JSON ({exc})"
+            raise CorruptFileError(
+                f"{self.manifest_path} {what}: cannot tell what this run computed; {START_OVER}"
+            ) from None
+        if not isinstance(manifest, dict):
+            raise CorruptFileError(f"{self.manifest_path} is not a JSON object; {START_OVER}")
+        return manifest
 
     def is_finished(self) -> bool:
         m = self.manifest()
         return bool(m and m.get("status") == "finished")
 
+    def finished_rounds(self, rounds: int) -> list[dict[str, Any]] | None:
+        """The records of a finished run whose ``rounds`` rounds all read back, else None (a run to do or
+        to redo: unfinished, failed, or with damaged records)."""
+        if not self.is_finished():
+            return None
+        records, problem = self.read_rounds()
+        return records if problem is None and len(records) == rounds else None
+
     def write_manifest(self, manifest: dict[str, Any]) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.manifest_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(manifest, indent=1, default=str))
-        os.replace(tmp, self.manifest_path)
+        atomic_write(self.manifest_path, json.dumps(manifest, indent=1, default=str))
 
     def update_manifest(self, **fields: Any) -> None:
         m = self.manifest() or {}
         m.update(fields)
         self.write_manifest(m)
 
-    def rounds(self) -> list[dict[str, Any]]:
+    # ------------------------------------------------------------------ rounds
+
+    def read_rounds(self) -> tuple[list[dict[str, Any]], str | None]:
+        """The readable records of rounds 1, 2, ..., k in order, and what is wrong after them (None when
+        nothing is). A last line cut short by a crash, a garbled line, or a record out of order ends the
+        readable part; the problem names the file and the line."""
         if not self.rounds_path.exists():
-            return []
-        out = []
-        for line in self.rounds_path.read_text().splitlines():
+            return [], None
+        lines = self.rounds_path.read_bytes().split(b"\n")
+        torn = lines.pop() != b""  # the text after the last newline: a line a crash cut short
+        records: list[dict[str, Any]] = []
+        for number, line in enumerate(lines, start=1):
+            where = f"{self.rounds_path}, line {number}"
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut short by a crash
-                break
-        return out
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return records, f"{where} is not a JSON record (garbled)"
+            if not isinstance(record, dict) or record.get("round") != len(records) + 1:
+                found = record.get("round") if isinstance(record, dict) else record
+                return records, f"{where} holds round {found!r}, expected round {len(records) + 1}"
+            records.append(record)
+        if torn:
+            return records, f"{self.rounds_path}, line {len(lines) + 1} was cut short (an interrupted write)"
+        return records, None
+
+    def rounds(self) -> list[dict[str, Any]]:
+        """Every round's record; raises CorruptFileError when any line cannot be read back."""
+        records, problem = self.read_rounds()
+        if problem:
+            raise CorruptFileError(f"{problem}; {START_OVER}")
+        return records
 
     def keep_rounds_up_to(self, last: int) -> None:
-        kept = [r for r in self.rounds() if r["round"] <= last]
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.rounds_path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.rounds_path)
+        """Rewrite rounds.jsonl with the records of rounds 1..``last`` (which must be readable)."""
+        records, _ = self.read_rounds()
+        if len(records) < last:
+            raise CorruptFileError(f"{self.rounds_path} has {len(records)} readable rounds, needed {last}")
+        atomic_write(self.rounds_path, "".join(json.dumps(r) + "\n" for r in records[:last]))
 
     def append_round(self, record: dict[str, Any]) -> None:
         with open(self.rounds_path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
             fh.flush()
+            os.fsync(fh.fileno())
+
+    # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
-        tmp = self.checkpoint_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.checkpoint_path)
+        """Write ``state`` (a state tree, see :mod:`fedtrust.checkpoint`) as the newest checkpoint and keep
+        the one before it."""
+        if self.checkpoint_path.exists():
+            os.replace(self.checkpoint_path, self.previous_checkpoint_path)
+        save_state(self.checkpoint_path, state)
+
+    def checkpoints(self) -> Iterator[tuple[Path, dict[str, Any] | None, str | None]]:
+        """(path, state, None) for each checkpoint that reads back, newest first, or (path, None, problem)
+        for one that does not."""
+        for path in (self.checkpoint_path, self.previous_checkpoint_path):
+            if not path.exists():
+                continue
+            try:
+                yield path, load_state(path), None
+            except CorruptFileError as exc:
+                yield path, None, str(exc)
 
     def save_predictions(self, y, mu, sigma) -> None:
         """The final predictive distribution on the test set (for calibration plots)."""
+        import io
+
         import numpy as np
 
-        np.savez_compressed(
-            self.dir / "predictions.npz", y=np.asarray(y), mu=np.asarray(mu), sigma=np.asarray(sigma)
-        )
+        buffer = io.BytesIO()
+        np.savez_compressed(buffer, y=np.asarray(y), mu=np.asarray(mu), sigma=np.asarray(sigma))
+        atomic_write(self.dir / "predictions.npz", buffer.getvalue())
 
-    def load_checkpoint(self) -> dict[str, Any] | None:
-        if not self.checkpoint_path.exists():
-            return None
-        return torch.load(self.checkpoint_path, weights_only=False)
+    def clear(self) -> None:
+        """Remove the run's results and checkpoints (``--force``: start over); the lock files stay."""
+        for path in self.dir.iterdir() if self.dir.exists() else ():
+            if path.is_file() and path not in (self.lock_path, self.holder_path):
+                path.unlink()
 
 
 def now() -> str:

@@ -1,0 +1,379 @@
+"""What a run writes can be trusted when read back: checkpoints never execute code, a damaged file is
+detected and named, a run resumes from its last good checkpoint, one process writes a run directory,
+a run is identified by what it computes, and a failed run says so."""
+
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+
+import fedtrust
+from fedtrust import Aggregate
+from fedtrust.checkpoint import CorruptFileError, atomic_write, load_state, save_state
+from fedtrust.experiments.config import validate
+from fedtrust.experiments.runner import ConfigChanged, build_simulation, run_experiment
+from fedtrust.sim.store import RecoveryWarning, RunLocked, RunStore
+
+SRC = Path(fedtrust.__file__).parent
+
+
+def config(**overrides):
+    base = {
+        "name": "t",
+        "data": {"name": "digits", "clients": 10},
+        "train": {"rounds": 5, "lr": 0.5, "checkpoint_every": 2, "fraction": 0.6},
+        "corruption": {"name": "sign_flip", "fraction": 0.2},
+        "rule": {"name": "centered_clipping"},
+    }
+    for key, value in overrides.items():
+        node = base
+        *path, last = key.split("__")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return validate(base)
+
+
+def strip_times(records):
+    return [{k: v for k, v in r.items() if k not in ("seconds", "rule_seconds")} for r in records]
+
+
+# ---------------------------------------------------------------- state files
+
+
+def test_a_state_tree_comes_back_exactly_with_its_types(tmp_path):
+    tree = {
+        "center": torch.randn(7),
+        "history": [{"client-1": 0.5, 3: 1.25, 5: math.nan}, ({"$odd": True}, [None, "x"])],
+        "gram": torch.randn(2, 3, 3, dtype=torch.float64),
+        "mask": torch.tensor([True, False]),
+        "count": torch.tensor(4),
+        "empty": torch.zeros(0, 2),
+        "floats": [math.inf, -math.inf, 1e-310, 0.1],
+        "ids": (7, "seven"),
+    }
+    save_state(tmp_path / "s.safetensors", tree)
+    back = load_state(tmp_path / "s.safetensors")
+    assert set(back) == set(tree) and isinstance(back["ids"], tuple) and back["ids"] == (7, "seven")
+    assert list(back["history"][0]) == ["client-1", 3, 5] and math.isnan(back["history"][0][5])
+    assert back["history"][1] == ({"$odd": True}, [None, "x"])
+    assert back["floats"][:2] == [math.inf, -math.inf] and back["floats"][2:] == [1e-310, 0.1]
+    for key in ("center", "gram", "mask", "count", "empty"):
+        assert back[key].dtype == tree[key].dtype and torch.equal(back[key], tree[key])
+
+
+@pytest.mark.parametrize(
+    "tree, where",
+    [
+        ({"history": deque([1])}, r"state\['history'\]: .* got deque"),
+        ({"x": [1, object()]}, r"state\['x'\]\[1\]: .* got object"),
+        ({"x": {1.5: 2}}, r"state\['x'\]: dict keys must be str or int"),
+        ({"x": {True: 2}}, r"state\['x'\]: dict keys must be str or int"),
+    ],
+)
+def test_what_a_state_cannot_hold_is_refused_naming_where(tmp_path, tree, where):
+    with pytest.raises(TypeError, match=where):
+        save_state(tmp_path / "s.safetensors", tree)
+    assert not (tmp_path / "s.safetensors").exists()
+
+
+class Planted:
+    """A pickle that runs code when unpickled: it would create the marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_pickle_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    planted = tmp_path / "checkpoint.safetensors"
+    torch.save({"round": 1, "rule_state": Planted(marker)}, planted)
+    with pytest.raises(CorruptFileError, match=f"{planted}: not a readable fedtrust state file"):
+        load_state(planted)
+    planted.write_bytes(pickle.dumps(Planted(marker)))
+    with pytest.raises(CorruptFileError, match="not a readable fedtrust state file"):
+        load_state(planted)
+    assert not marker.exists()
+
+
+def test_no_source_file_reads_a_pickle():
+    """Files read back never execute code: no torch.load, pickle.load(s) or weights_only=False in src."""
+    for path in SRC.rglob("*.py"):
+        text = path.read_text()
+        for forbidden in ("torch.load(", "pickle.load", "weights_only=False", "allow_pickle=True"):
+            assert forbidden not in text, f"{path} uses {forbidden}"
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda b: b"", "the file is empty"),
+        (lambda b: b[: len(b) // 2], "not a readable fedtrust state file"),
+        (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "the tensor data does not match its checksum"),
+        (lambda b: b"not a checkpoint at all" * 10, "not a readable fedtrust state file"),
+    ],
+)
+def test_a_damaged_state_file_is_detected_naming_the_file_and_the_remedy(tmp_path, damage, message):
+    path = tmp_path / "state.safetensors"
+    save_state(path, {"center": torch.arange(64, dtype=torch.float32)})
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(CorruptFileError, match=f"{path}: {message}.*; delete it"):
+        load_state(path, remedy="delete it")
+
+
+def test_a_crash_while_writing_leaves_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "manifest.json"
+    atomic_write(path, "old")
+
+    def crash(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(path, "new")
+    assert path.read_text() == "old"
+
+
+# ---------------------------------------------------------------- resuming honestly
+
+
+def crashed_run(tmp_path, cfg, at):
+    """A run interrupted right after round ``at`` (a checkpoint every 2 rounds)."""
+
+    class Crash(Exception):
+        pass
+
+    def crash(record):
+        if record["round"] == at:
+            raise Crash
+
+    store = RunStore(tmp_path / "run")
+    with pytest.raises(Crash):
+        build_simulation(cfg).run(store, on_round=crash)
+    return store
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    return strip_times(build_simulation(config()).run(RunStore(tmp_path_factory.mktemp("w") / "whole")))
+
+
+def test_checkpoints_are_state_files_and_the_one_before_is_kept(tmp_path, whole):
+    store = crashed_run(tmp_path, config(), at=4)
+    assert load_state(store.checkpoint_path)["round"] == 4
+    assert load_state(store.previous_checkpoint_path)["round"] == 2
+    assert strip_times(build_simulation(config()).run(store)) == whole
+    assert not list(store.dir.glob("*.pt")) and not list(store.dir.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("broken", ["newest", "both"])
+def test_a_damaged_checkpoint_resumes_from_the_last_good_one_and_says_so(tmp_path, whole, broken):
+    store = crashed_run(tmp_path, config(), at=4)
+    store.checkpoint_path.write_bytes(b"")
+    if broken == "both":
+        store.previous_checkpoint_path.write_bytes(store.previous_checkpoint_path.read_bytes()[:100])
+    with pytest.warns(RecoveryWarning, match=f"{store.checkpoint_path}: the file is empty"):
+        resumed = build_simulation(config()).run(store)
+    assert strip_times(resumed) == whole  # deterministic streams: an earlier start gives the same run
+    notes = store.manifest()["recovered"]
+    assert any("checkpoint.safetensors: the file is empty" in n for n in notes)
+    assert (len(notes) == 2) == (broken == "both")
+
+
+def test_a_planted_checkpoint_is_not_executed_and_the_run_recovers(tmp_path, whole):
+    store = crashed_run(tmp_path, config(), at=3)
+    marker = tmp_path / "pwned"
+    torch.save({"round": 2, "vector": Planted(marker)}, store.checkpoint_path)
+    with pytest.warns(RecoveryWarning, match="not a readable fedtrust state file"):
+        assert strip_times(build_simulation(config()).run(store)) == whole
+    assert not marker.exists()
+
+
+def test_a_checkpoint_the_rule_refuses_is_skipped(tmp_path, whole):
+    store = crashed_run(tmp_path, config(), at=4)
+    state = load_state(store.checkpoint_path)
+    state["rule_state"] = {"center": torch.full((650,), math.nan)}
+    save_state(store.checkpoint_path, state)
+    with pytest.warns(RecoveryWarning, match="the rule refuses its state"):
+        assert strip_times(build_simulation(config()).run(store)) == whole
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda lines: lines[:2] + [b"{garbled"] + lines[3:], r"line 3 is not a JSON record \(garbled\)"),
+        (lambda lines: lines[:2] + lines[3:], "line 3 holds round 4, expected round 3"),
+        (lambda lines: lines[:-1], None),  # a finished run missing its last round (past the checkpoint)
+    ],
+)
+def test_a_finished_run_with_damaged_round_records_is_redone_not_skipped(tmp_path, whole, damage, problem):
+    store = RunStore(tmp_path / "run")
+    build_simulation(config()).run(store)
+    lines = store.rounds_path.read_bytes().splitlines()
+    store.rounds_path.write_bytes(b"\n".join(damage(lines)) + b"\n")
+    if problem:
+        with pytest.raises(CorruptFileError, match=f"rounds.jsonl, {problem}; run `fedtrust run` again"):
+            store.rounds()
+    with pytest.warns(RecoveryWarning, match=problem or "is for round 5, past the 4 readable rounds"):
+        assert strip_times(build_simulation(config()).run(store)) == whole
+    assert len(store.rounds()) == 5 and store.is_finished()
+
+
+def test_a_line_cut_short_by_a_crash_is_redone(tmp_path, whole):
+    store = crashed_run(tmp_path, config(), at=3)
+    with open(store.rounds_path, "ab") as fh:
+        fh.write(b'{"round": 4, "metr')
+    records, problem = store.read_rounds()
+    assert len(records) == 3 and "line 4 was cut short" in problem
+    with pytest.warns(RecoveryWarning, match="line 4 was cut short"):
+        assert strip_times(build_simulation(config()).run(store)) == whole
+
+
+# ---------------------------------------------------------------- one writer
+
+
+def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
+    folder = tmp_path / "out" / "t" / "run"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
+            import sys, time
+            from fedtrust.sim.store import RunStore
+            with RunStore({str(folder)!r}).lock():
+                print("locked", flush=True)
+                sys.stdin.read()
+        """),
+        ],  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(
+            RunLocked, match=rf"{folder} is being written by another fedtrust process \(pid {holder.pid}"
+        ):
+            run_experiment(config(train__rounds=1), tmp_path / "out", progress=False)
+        assert not (folder / "rounds.jsonl").exists()
+    finally:
+        holder.communicate("")
+    run_experiment(config(train__rounds=1), tmp_path / "out", progress=False)  # free again
+    assert RunStore(folder).is_finished()
+
+
+# ---------------------------------------------------------------- a run is what it computes
+
+
+def test_a_changed_config_is_refused_naming_the_keys_and_force_starts_it_over(tmp_path):
+    out = tmp_path / "out"
+    first = run_experiment(config(train__rounds=2), out, progress=False)
+    assert [o.status for o in first] == ["finished"]
+    manifest = RunStore(first[0].directory).manifest()
+    assert len(manifest["config_hash"]) == 64 and manifest["versions"]["fedtrust"] == fedtrust.__version__
+    assert [o.status for o in run_experiment(config(train__rounds=2), out, progress=False)] == ["skipped"]
+    before = (first[0].directory / "rounds.jsonl").read_bytes()
+    with pytest.raises(ConfigChanged, match=r"run: train.rounds: 2 -> 3\n.*--force to start those runs over"):
+        run_experiment(config(train__rounds=3), out, progress=False)
+    with pytest.raises(ConfigChanged, match=r"rule.name: 'centered_clipping' -> 'median'"):
+        run_experiment(config(train__rounds=2, rule={"name": "median"}), out, progress=False)
+    assert (first[0].directory / "rounds.jsonl").read_bytes() == before  # nothing was touched
+    again = run_experiment(config(train__rounds=3), out, progress=False, force=True)
+    assert again[0].status == "finished" and len(RunStore(again[0].directory).rounds()) == 3
+
+
+def test_a_run_from_another_fedtrust_version_is_refused(tmp_path, monkeypatch):
+    run_experiment(config(train__rounds=1), tmp_path, progress=False)
+    monkeypatch.setattr(fedtrust, "__version__", "99.0")
+    with pytest.raises(ConfigChanged, match=r"fedtrust version: .* -> 99.0"):
+        run_experiment(config(train__rounds=1), tmp_path, progress=False)
+
+
+def test_an_unreadable_manifest_fails_that_run_only(tmp_path):
+    cfg = config(train__rounds=1, sweep={"seed": [0, 1]})
+    run_experiment(cfg, tmp_path, progress=False)
+    broken = RunStore(tmp_path / "t" / "seed=0")
+    broken.manifest_path.write_text("")
+    outcomes = run_experiment(cfg, tmp_path, progress=False)
+    assert [o.status for o in outcomes] == ["failed", "skipped"]
+    assert f"{broken.manifest_path} is empty" in outcomes[0].error and "--force" in outcomes[0].error
+    outcomes = run_experiment(cfg, tmp_path, progress=False, force=True)
+    assert [o.status for o in outcomes] == ["finished", "skipped"]
+
+
+# ---------------------------------------------------------------- a failed run says so
+
+
+def test_a_run_where_every_round_failed_is_failed_with_the_reason(tmp_path):
+    outcome = run_experiment(config(rule={"name": "krum", "f": 0.45}), tmp_path, progress=False)[0]
+    manifest = RunStore(outcome.directory).manifest()
+    assert outcome.status == manifest["status"] == "failed"
+    assert "no round could be aggregated: all 5 failed" in manifest["error"]
+    assert "krum: needs n > 2f + 2 clients" in manifest["error"]
+
+
+def test_a_model_that_goes_non_finite_fails_the_run_which_stops_there(tmp_path):
+    class Overflow:
+        def __call__(self, round_):
+            return Aggregate(torch.full((round_.d,), 3e38), torch.full((round_.n,), 1 / round_.n))
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    sim = build_simulation(config())
+    sim.rule = Overflow()
+    store = RunStore(tmp_path / "run")
+    records = sim.run(store)
+    assert len(records) == 2  # 3e38 + 3e38 = inf in the second round
+    assert sim.failure == "the global model went non-finite in round 2 (diverged); the run stopped"
+    assert store.manifest()["status"] == "failed" and store.manifest()["error"] == sim.failure
+    assert not store.checkpoint_path.exists()  # the round-2 checkpoint would hold the non-finite model
+
+
+def test_the_report_marks_failed_runs_instead_of_averaging_them(tmp_path):
+    from fedtrust.report import write_report
+    from fedtrust.report.results import Run, load_runs, table
+
+    cfg = config(train__rounds=2, sweep={"rule": [{"name": "mean"}, {"name": "krum", "f": 0.45}]})
+    run_experiment(cfg, tmp_path, progress=False)
+    runs = load_runs(tmp_path / "t")
+    _, _, cells = table(runs, Run.final)
+    krum = next(c for (rule, _), c in cells.items() if rule.startswith("krum"))
+    assert krum.failed == 1 and krum.count == 0 and math.isnan(krum.mean)
+    text = write_report(tmp_path / "t").read_text()
+    assert "| krum(f=0.45) | failed |" in text
+    assert "## Failed runs" in text and "no round could be aggregated" in text
+
+
+def test_the_report_leaves_out_an_unreadable_run_and_names_its_file(tmp_path):
+    from fedtrust.report.results import load_runs
+
+    cfg = config(train__rounds=2, sweep={"seed": [0, 1]})
+    run_experiment(cfg, tmp_path, progress=False)
+    rounds = tmp_path / "t" / "seed=1" / "rounds.jsonl"
+    rounds.write_text(rounds.read_text().replace('{"round": 2', "garbage"))
+    runs = load_runs(tmp_path / "t")
+    assert [r.status for r in runs] == ["finished", "unreadable"]
+    assert f"{rounds}, line 2 is not a JSON record" in runs[1].reason
+
+
+def test_manifest_records_identity_and_time(tmp_path):
+    outcome = run_experiment(config(train__rounds=1), tmp_path, progress=False)[0]
+    manifest = json.loads((outcome.directory / "manifest.json").read_text())
+    assert manifest["status"] == "finished" and manifest["seconds"] > 0 and outcome.seconds > 0
+    assert manifest["config"]["train"]["rounds"] == 1
