@@ -64,6 +64,8 @@ def fedag(dataset: Dataset, hidden: int | None, rounds: int, seed: int, base: st
     sim = Simulation(fed, model, rule("fedag", base=base, base_options=base_options), settings, seed,
                      attack=attack(attack_name) if attack_name else None)  # fmt: skip
     sim.run()
+    if sim.failure:  # never print a table from a model no round could update
+        raise RuntimeError(f"FedAG run (seed {seed}, base {base}) failed: {sim.failure}")
     return sim
 
 
