@@ -13,37 +13,30 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+import runs
 import torch
+from runs import strip_times
 
 import fedtrust
 from fedtrust import Aggregate
 from fedtrust.checkpoint import CorruptFileError, atomic_write, load_state, save_state
-from fedtrust.experiments.config import validate
 from fedtrust.experiments.runner import ConfigChanged, build_simulation, run_experiment
 from fedtrust.sim.store import RecoveryWarning, RunLocked, RunStore
 
 SRC = Path(fedtrust.__file__).parent
 
 
+BASE = {
+    "name": "t",
+    "data": {"name": "digits", "clients": 10},
+    "train": {"rounds": 5, "lr": 0.5, "checkpoint_every": 2, "fraction": 0.6},
+    "corruption": {"name": "sign_flip", "fraction": 0.2},
+    "rule": {"name": "centered_clipping"},
+}
+
+
 def config(**overrides):
-    base = {
-        "name": "t",
-        "data": {"name": "digits", "clients": 10},
-        "train": {"rounds": 5, "lr": 0.5, "checkpoint_every": 2, "fraction": 0.6},
-        "corruption": {"name": "sign_flip", "fraction": 0.2},
-        "rule": {"name": "centered_clipping"},
-    }
-    for key, value in overrides.items():
-        node = base
-        *path, last = key.split("__")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return validate(base)
-
-
-def strip_times(records):
-    return [{k: v for k, v in r.items() if k not in ("seconds", "rule_seconds")} for r in records]
+    return runs.config(BASE, **overrides)
 
 
 # ---------------------------------------------------------------- state files

@@ -4,35 +4,27 @@ and every mode, attack, lie and failure is handled as documented."""
 import math
 
 import pytest
+import runs
 import torch
+from runs import strip_times
 
 from fedtrust.data import load_digits
-from fedtrust.experiments.config import validate
 from fedtrust.experiments.runner import build_simulation
 from fedtrust.models import build_model
 from fedtrust.sim.store import RunStore
 from fedtrust.sim.training import local_sgd
 
+BASE = {
+    "name": "t",
+    "data": {"name": "digits", "clients": 10},
+    "model": {"name": "softmax"},
+    "train": {"rounds": 6, "lr": 0.5, "batch_size": 32},
+    "rule": {"name": "fedavg"},
+}
+
 
 def config(**overrides):
-    base = {
-        "name": "t",
-        "data": {"name": "digits", "clients": 10},
-        "model": {"name": "softmax"},
-        "train": {"rounds": 6, "lr": 0.5, "batch_size": 32},
-        "rule": {"name": "fedavg"},
-    }
-    for key, value in overrides.items():
-        node = base
-        *path, last = key.split("__")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return validate(base)
-
-
-def strip_times(records):
-    return [{k: v for k, v in r.items() if k not in ("seconds", "rule_seconds")} for r in records]
+    return runs.config(BASE, **overrides)
 
 
 def test_clean_fedavg_reaches_centralised_accuracy():
