@@ -116,7 +116,7 @@ def report(
         typer.echo(f"{r.status}: {r.directory}: {r.reason}", err=True)
     unreadable = sum(r.status == "unreadable" for r in left_out)
     if unreadable:
-        raise _fail(f"{unreadable} runs could not be read back (listed in {path}); rerun them", code=1)
+        raise _fail(f"{unreadable} run(s) could not be read back (listed in {path}); rerun them", code=1)
 
 
 @app.command()
