@@ -4,6 +4,7 @@ equivariance, the geometric median's optimality condition, the mean as a special
 import numpy as np
 import pytest
 import torch
+from conftest import dtype_tol
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -120,6 +121,19 @@ def test_geometric_median_optimality_condition(seed, n, d):
         assert grad.norm().item() <= 1 + 1e-6
     else:
         assert grad.norm().item() < 1e-5 * n
+
+
+def test_geometric_median_stops_where_its_steps_reach_the_rounding_of_z():
+    """Points sharing a large common component: a float32 z cannot move by less than its own rounding,
+    far above tol * scale (the distances are ~1e-3 of ||z||). The iterations stop there, converged, as
+    close to the float64 median as that rounding allows (they ran to max_iter before)."""
+    x = 1e3 + torch.randn(10, 200, generator=torch.Generator().manual_seed(0))
+    x[:2] += 50
+    out = rule("geometric_median")(Round(updates=x))
+    exact = rule("geometric_median")(Round(updates=x.double()))
+    assert out.info["converged"] and out.info["iterations"] < 20
+    assert exact.info["converged"] and exact.info["tol"] < out.info["tol"]
+    torch.testing.assert_close(out.vector.double(), exact.vector, **dtype_tol(torch.float32, 1, 1e3))
 
 
 @given(seed=seeds)
