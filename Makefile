@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test bench lint clean fashion-mnist ivar-icov arfl fedag
+.PHONY: demo test test-cpus bench lint clean fashion-mnist ivar-icov arfl fedag
 
 $(STAMP): pyproject.toml constraints.txt setup.py src/fedtrust/aggregators/order_stats.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The suite on this CPU's own kernels, then as an old x86-64 CPU would run it (no AVX: PyTorch's default
+# kernels, MKL at SSE4.2, OpenBLAS's Prescott kernels): results must not hang on how rounding falls.
+test-cpus: $(STAMP)
+	env -u OPENBLAS_CORETYPE $(BIN)/python -m pytest
+	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OPENBLAS_CORETYPE=Prescott $(BIN)/python -m pytest
 
 # Speed against the peers (benchmarks/README.md). ByzFL is installed for benchmarks only, without its
 # dependencies (its top-level import pulls torchvision; the benchmark loads its aggregators module).

@@ -4,6 +4,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from fedtrust._checks import stopping_tol
+
 settings.register_profile(
     "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
@@ -20,3 +22,13 @@ def small_chunks(monkeypatch):
 
     monkeypatch.setattr(kernels, "CHUNK_BYTES", 64)
     monkeypatch.setattr(kernels, "SELECT_CHUNK_BYTES", 64)
+
+
+def dtype_tol(dtype: torch.dtype, factor: float = 1.0, scale: float = 1.0) -> dict[str, float]:
+    """``rtol``/``atol`` for ``torch.testing.assert_close`` on results of an iterative rule run on data
+    of ``dtype``: ``factor`` times the rule's default stopping tolerance (``stopping_tol``: 64 eps of the
+    dtype), the absolute part times ``scale`` (the data's magnitude, for a consensus; 1 for weights,
+    which sum to ~1). Two runs that stop at different iterations, each within the stopping tolerance of
+    the fixed point, agree to a few times it; rounding alone gives far less."""
+    tol = factor * stopping_tol(dtype)
+    return {"rtol": tol, "atol": tol * scale}

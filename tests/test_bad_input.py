@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import dtype_tol
 from test_rule_properties import OPTIONS, benchmark_loss, make
 
 from fedtrust import NoValidUpdates, Round, available, rule
@@ -231,22 +232,27 @@ def test_a_rule_that_screens_in_its_first_pass_costs_no_screening_pass_and_quara
 ):
     """On a clean round the front door takes no norms itself: the rule's first pass hands them over. On a
     poisoned round the rule is stopped after that pass and run on the rest: over two rounds its
-    aggregates equal the clean clients' alone (its state was not touched by the stopped run), and its
-    ``aggregate`` called directly on the poisoned round refuses it. The quarantined client counts against
-    a Byzantine budget f, as always."""
+    aggregate and trust weights equal the clean clients' alone (its state was not touched by the stopped
+    run), and its ``aggregate`` called directly on the poisoned round refuses it. The quarantined client
+    counts against a Byzantine budget f, as always.
+
+    "Equal" for an iterative rule means within its stopping tolerance of the same fixed point: the two
+    paths take the norms in differently sized chunks (the screening sees n clients, the rule's pass
+    n - 1), which moves them by a rounding and may move the stopping iteration by one."""
     import fedtrust.aggregators.core as core
 
     options = {"f": 1} if "f" in rule(name).options() else OPTIONS.get(name, {})
     clean_options = {"f": 0} if "f" in options else options
 
     screening = []
-    monkeypatch.setattr(core, "row_norms", lambda x: screening.append(1) or x.double().norm(dim=1))
+    real_row_norms = core.row_norms  # counted, not replaced: both paths get the same norms function
+    monkeypatch.setattr(core, "row_norms", lambda x: screening.append(1) or real_row_norms(x))
     g = torch.Generator().manual_seed(2)
     rounds = [torch.randn(n, 50, generator=g) + 0.1 * k for k in range(2)]
     clean_round = Round(updates=rounds[0])
     rule(name, **options)(clean_round)
     assert not screening and "norms" in vars(clean_round)
-    torch.testing.assert_close(clean_round.norms, rounds[0].double().norm(dim=1))
+    torch.testing.assert_close(clean_round.norms, rounds[0].double().norm(dim=1), **dtype_tol(torch.float32))
 
     poisoned, clean = rule(name, **options), rule(name, **clean_options)
     keep = [i for i in range(n) if i != 3]
@@ -254,9 +260,10 @@ def test_a_rule_that_screens_in_its_first_pass_costs_no_screening_pass_and_quara
         bad = x.clone()
         bad[3, 7] = math.nan
         out = poisoned(Round(updates=bad))
-        assert "non-finite" in out.info["quarantined"][3]
+        assert screening and "non-finite" in out.info["quarantined"][3]
         ref = clean(Round(updates=x[keep], client_ids=keep))
-        torch.testing.assert_close(out.vector, ref.vector)
-        torch.testing.assert_close(out.weights[keep], ref.weights)
+        scale = float(x[keep].abs().max())
+        torch.testing.assert_close(out.vector, ref.vector, **dtype_tol(x.dtype, 4, scale))
+        torch.testing.assert_close(out.weights[keep], ref.weights, **dtype_tol(x.dtype, 4))
     with pytest.raises(core.UnscreenedUpdates, match="call the rule itself"):
         rule(name, **options).aggregate(Round(updates=bad))

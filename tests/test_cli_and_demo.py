@@ -171,3 +171,23 @@ def test_cli_errors_name_the_field_or_file_not_a_traceback(tmp_path, args, messa
     result = runner.invoke(app, args(tmp_path))
     assert result.exit_code != 0 and isinstance(result.exception, SystemExit)  # not an uncaught error
     assert re.search(message, result.output), result.output
+
+
+def test_infer_that_stops_at_max_iter_warns_with_the_remedy_and_still_writes(tmp_path):
+    """An estimator stopped by its iteration limit has not converged: ``infer`` says so on stderr, with
+    the iterations, the last weight change against the tolerance and what to change; the results are
+    written and the exit code stays 0. With room to converge it says nothing."""
+    estimates = _write(tmp_path / "e.csv", "task,a,b,c\nt0,1.0,1.1,3\nt1,2.0,2.2,-1\nt2,0.5,0.4,2\n")
+    out = tmp_path / "consensus.csv"
+    result = runner.invoke(app, ["infer", str(estimates), "--method", "ivar_mle", "--max-iter", "2",
+                                 "--out", str(out)])  # fmt: skip
+    assert result.exit_code == 0 and out.exists(), result.output
+    assert re.search(
+        r"warning: ivar_mle stopped at its iteration limit \(2 iterations\) without converging: the last "
+        r"iteration moved a weight by [0-9.e-]+, above tol 1.42e-14\..*raise --max-iter or loosen --tol",
+        " ".join(result.stderr.split()),
+    ), result.stderr
+    assert "warning" not in result.stdout
+    quiet = runner.invoke(app, ["infer", str(estimates), "--method", "ivar_mle", "--tol", "1e-6",
+                                "--out", str(out)])  # fmt: skip
+    assert quiet.exit_code == 0 and "warning" not in quiet.output, quiet.output

@@ -5,8 +5,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import dtype_tol
 from typer.testing import CliRunner
 
+from fedtrust._checks import stopping_tol
 from fedtrust.cli import app
 from fedtrust.inference import icov_mle, icov_vb, ivar_mle, ivar_vb
 from fedtrust.inference.icov import _gradient, consensus_coefficients, icov_loglik
@@ -129,9 +131,12 @@ def test_ivar_mle_by_direct_passes_matches_the_gram_path(monkeypatch, missing):
         by_gram = ivar_mle(x, mask, init_noise=init)
         monkeypatch.setattr(ivar, "DIRECT_MIN_SOURCES", 1)
         direct = ivar_mle(x, mask, init_noise=init)
-        assert direct.iterations == by_gram.iterations
-        torch.testing.assert_close(direct.consensus, by_gram.consensus)
-        torch.testing.assert_close(direct.noise, by_gram.noise)
+        # the two round differently; both stop within their tolerance of the same fixed point
+        assert abs(direct.iterations - by_gram.iterations) <= 1
+        torch.testing.assert_close(direct.weights, by_gram.weights, **dtype_tol(x.dtype, 2))
+        torch.testing.assert_close(
+            direct.consensus, by_gram.consensus, **dtype_tol(x.dtype, 2, x.abs().max())
+        )
 
 
 @pytest.mark.parametrize("fn", [ivar_mle, ivar_vb, icov_mle, icov_vb])
@@ -141,6 +146,74 @@ def test_objective_never_decreases(fn):
     trace = fn(x, mask).trace
     assert len(trace) > 2
     assert all(b >= a - 1e-9 * abs(a) for a, b in zip(trace, trace[1:], strict=False))
+
+
+def ulps_apart(x: torch.Tensor, ulps: int, seed: int = 99) -> torch.Tensor:
+    """x with every entry moved by ``ulps`` units in the last place of its dtype, each up or down at
+    random: what another BLAS kernel or summation order does to a computed update."""
+    g = torch.Generator().manual_seed(seed)
+    away = torch.where(torch.rand(x.shape, generator=g) < 0.5, -math.inf, math.inf).to(x.dtype)
+    for _ in range(ulps):
+        x = torch.nextafter(x, away)
+    return x
+
+
+def four_sources(seed, tasks=8, k=20, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(tasks, 1, k, generator=g, dtype=torch.float64)
+    sd = torch.tensor([0.2, 0.3, 0.5, 1.0, 2.0, 0.4], dtype=torch.float64)[None, :, None]
+    return (y + sd * torch.randn(tasks, 6, k, generator=g, dtype=torch.float64)).to(dtype)
+
+
+@pytest.mark.parametrize("fn", [ivar_mle, ivar_vb, icov_vb])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_weights_are_the_datas_not_its_roundings(fn, seed):
+    """The weights (eqs 6, 11, 3) are a property of the estimates, not of how their rounding fell:
+    float32 estimates moved by 3 ulps give weights within the stopping tolerance of the originals (and
+    a consensus within it times the estimates' scale), both runs converged. A stopping test below the
+    rounding (the objective's relative change under 1e-9) stopped the two at different iterations."""
+    x = four_sources(seed)
+    a, b = fn(x), fn(ulps_apart(x, 3))
+    assert a.tol == b.tol == stopping_tol(torch.float32) and a.iterations == b.iterations
+    assert a.converged == b.converged == (fn is not icov_vb)  # ICOV-VB: rate ~0.998, 200 iterations
+    torch.testing.assert_close(b.weights, a.weights, **dtype_tol(x.dtype, 1))
+    torch.testing.assert_close(b.consensus, a.consensus, **dtype_tol(x.dtype, 1, x.abs().max()))
+
+
+def test_icov_mle_weights_are_not_determined_below_its_flat_likelihood():
+    """ICOV-MLE's likelihood is unbounded (it locks onto a few sources); where the quasi-Newton steps
+    stall depends on the rounding of the estimates, so its weights agree only to ~1e-3 under a 3-ulp
+    change, far above the stopping tolerance (and above it whatever the test). The sources it keeps do
+    not change."""
+    x = four_sources(1)
+    a, b = icov_mle(x), icov_mle(ulps_apart(x, 3))
+    assert a.converged and b.converged
+    torch.testing.assert_close(b.weights, a.weights, rtol=0, atol=1e-3)
+    assert torch.equal(a.weights[0] > 1e-3, b.weights[0] > 1e-3)
+
+
+@pytest.mark.parametrize("fn", [ivar_mle, ivar_vb])
+def test_float64_estimates_converge_to_a_tighter_tolerance_than_float32(fn):
+    """The default tolerance is the data's rounding (stopping_tol: 64 eps of the estimates' dtype):
+    float64 estimates are iterated until the weights are within 1.4e-14 of their fixed point, float32
+    ones within 7.6e-6, and the float32 weights land within that of the float64 ones. (IVAR-VB's rate
+    is ~0.9 here: stopping on its last change alone left it 2.4 tolerances away.)"""
+    x = four_sources(0, dtype=torch.float64)
+    r64, r32 = fn(x, max_iter=1000), fn(x.float(), max_iter=1000)
+    assert r64.converged and r32.converged
+    assert r64.tol == stopping_tol(torch.float64) < r32.tol == stopping_tol(torch.float32)
+    assert r64.changes[-1] <= r64.tol and r32.changes[-1] <= r32.tol
+    assert r64.iterations > r32.iterations
+    torch.testing.assert_close(r32.weights, r64.weights, **dtype_tol(torch.float32, 2))
+
+
+def test_an_explicit_tol_is_used_and_recorded():
+    x = four_sources(0)
+    loose = ivar_vb(x, tol=1e-3)
+    assert loose.tol == 1e-3 and loose.converged and loose.changes[-1] <= 1e-3
+    assert loose.iterations < ivar_vb(x).iterations
+    with pytest.raises(ValueError, match="tol must be >= 0"):
+        ivar_mle(x, tol=-1.0)
 
 
 # ---------------------------------------------------------------- ICOV

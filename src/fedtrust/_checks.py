@@ -7,6 +7,8 @@ from collections.abc import Iterable
 from numbers import Integral, Real
 from typing import Any
 
+import torch
+
 
 def check_int(field: str, value: Any, *, minimum: int | None = None) -> int:
     """Return ``value`` as an int, or raise naming ``field`` (bools are not ints here)."""
@@ -55,3 +57,27 @@ def check_choice(field: str, value: Any, choices: Iterable[str]) -> str:
     if value not in choices:
         raise ValueError(f"{field} must be one of {', '.join(map(repr, choices))}; got {value!r}")
     return value
+
+
+#: How many units of the data's rounding (machine epsilons) an iterative estimator's stopping quantity
+#: may still move by when it stops: rounding in the passes over the data (float32 partial sums,
+#: distances by expansion) perturbs each weight by a few eps times the number of terms, so a tighter
+#: test would compare noise with noise.
+STOPPING_EPS = 64
+
+
+def stopping_tol(dtype: torch.dtype) -> float:
+    """The default stopping tolerance of an iterative estimator on data of ``dtype``: ``STOPPING_EPS``
+    machine epsilons (7.6e-6 for float32, 1.4e-14 for float64). Weights that sum to ~1, computed from
+    data rounded at eps, cannot be told apart more finely than a few eps: iterating until they move by
+    less than that stops on noise, after a number of iterations that depends on how the rounding fell
+    (the CPU's BLAS kernel, a norm taken in another order). The estimators compute in float64 whatever
+    the data's dtype; what limits them is the data's rounding, so the dtype is the data's."""
+    if not dtype.is_floating_point:
+        dtype = torch.float64
+    return STOPPING_EPS * torch.finfo(dtype).eps
+
+
+def check_tol(field: str, value: Any) -> float | None:
+    """``None`` (derive the tolerance from the data's dtype: :func:`stopping_tol`) or a float >= 0."""
+    return None if value is None else check_float(field, value, minimum=0.0)

@@ -127,6 +127,15 @@ def infer(
         Path("consensus.csv"), help="Consensus per task; per-source results go beside it."
     ),
     latent_dim: int = typer.Option(2, min=1, help="Latent dimension D (ICOV)."),
+    max_iter: int | None = typer.Option(
+        None, "--max-iter", min=1, help="Most iterations (default: the method's, 100 or 200)."
+    ),
+    tol: float | None = typer.Option(
+        None,
+        min=0.0,
+        help="Stop when the weights are within this of their fixed point (default: 64 machine "
+        "epsilons of the estimates' float64, 1.4e-14).",
+    ),
 ) -> None:
     """Truth inference on a CSV of estimates: the consensus of each task and each source's reliability."""
     from rich.console import Console
@@ -142,7 +151,9 @@ def infer(
         fn = lookup("method", METHODS, method)
         tasks, sources, x = read_estimates(estimates)
         options = {"latent_dim": latent_dim, "source_keys": sources} if method.startswith("icov") else {}
-        result = fn(x, **options)
+        if max_iter is not None:
+            options["max_iter"] = max_iter
+        result = fn(x, tol=tol, **options)
     except (UnknownNameError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -163,7 +174,19 @@ def infer(
             f"{mean_weight:.3f}",
         )
     Console(width=120).print(table)
+    if not result.converged:
+        typer.echo(_not_converged(method, result), err=True)
     typer.echo(f"wrote {consensus_path} and {sources_path}")
+
+
+def _not_converged(method: str, result) -> str:
+    """The warning for an estimator stopped by its iteration limit: where it stood and what to change."""
+    last = f"{result.changes[-1]:.3g}" if result.changes else "unknown (one iteration)"
+    return (
+        f"warning: {method} stopped at its iteration limit ({result.iterations} iterations) without "
+        f"converging: the last iteration moved a weight by {last}, above tol {result.tol:.3g}. The results "
+        "are written but may still move; raise --max-iter or loosen --tol."
+    )
 
 
 @app.command()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedtrust._checks import check_float, check_int
+from fedtrust._checks import check_float, check_int, check_tol, stopping_tol
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round
 from fedtrust.aggregators.kernels import CombinationPasses
 from fedtrust.aggregators.mean import sample_weights
@@ -20,24 +20,32 @@ class GeometricMedian(BaseRule):
     reproduces them); by default it runs to convergence: until a step moves z by less than ``tol`` times
     the scale ``sum_i beta_i ||z - x_i||`` (the alpha-weighted harmonic mean of the distances, set by
     the points near z). RFA's own test, a small relative change of the objective, stops far too early
-    under huge outliers: their distances dominate the objective.
+    under huge outliers: their distances dominate the objective. ``tol`` defaults (None) to
+    :func:`~fedtrust._checks.stopping_tol` of the updates' dtype. z is held in that dtype, so a step of
+    a few of its roundings (``ROUNDING_STEP * eps * ||z||``) cannot shrink further: such a step also
+    ends the iterations as converged (when the points share a large common component the scale is far
+    below ||z||, and no step could ever reach ``tol * scale``).
 
     nu:       smoothing, an absolute distance floor (> 0).
     weighted: alpha_i = n_i / sum n (RFA's sample weights, trusting reported counts) instead of 1/n.
 
     Trust weight of a client: its normalised beta_i, i.e. its coefficient in the returned z.
     ``info``: iterations, converged, objective (sum_i alpha_i ||z - x_i||), its trace, the last step,
-    and per client the distance to z.
+    the tol used, and per client the distance to z.
     """
 
     name = "geometric_median"
+    #: A step of at most this many eps * ||z|| is z's own rounding (steps there plateau at ~0.6).
+    ROUNDING_STEP = 4
     screens_in_first_pass = True
     paper = "Pillutla, Kakade, Harchaoui 2022, Robust Aggregation for Federated Learning (RFA)"
 
-    def __init__(self, nu: float = 1e-6, max_iter: int = 100, tol: float = 1e-6, weighted: bool = False):
+    def __init__(
+        self, nu: float = 1e-6, max_iter: int = 100, tol: float | None = None, weighted: bool = False
+    ):
         self.nu = check_float(f"{self.name}: nu", nu, minimum=0.0, strict_min=True)
         self.max_iter = check_int(f"{self.name}: max_iter", max_iter, minimum=1)
-        self.tol = check_float(f"{self.name}: tol", tol, minimum=0.0)
+        self.tol = check_tol(f"{self.name}: tol", tol)
         if not isinstance(weighted, bool):
             raise TypeError(f"{self.name}: weighted must be True or False, got {weighted!r}")
         self.weighted = weighted
@@ -54,6 +62,8 @@ class GeometricMedian(BaseRule):
         z, sq, _ = passes(beta)
         dist = sq.sqrt()
         trace = [float(alpha @ dist)]
+        tol = stopping_tol(x.dtype) if self.tol is None else self.tol
+        rounding = self.ROUNDING_STEP * torch.finfo(x.dtype).eps
         converged, iterations, step = False, 0, float("nan")
         while iterations < self.max_iter:
             beta = alpha / dist.clamp_min(self.nu)
@@ -63,7 +73,7 @@ class GeometricMedian(BaseRule):
             dist = sq.sqrt()
             iterations += 1
             trace.append(float(alpha @ dist))
-            if step <= self.tol * scale:
+            if step <= tol * scale or step <= rounding * float(torch.linalg.vector_norm(z)):
                 converged = True
                 break
         info = {
@@ -72,6 +82,7 @@ class GeometricMedian(BaseRule):
             "objective": trace[-1],
             "trace": trace,
             "last_step": step,
+            "tol": tol,
             "clients": {"distance": dist},
         }
         return Aggregate(z, beta.to(x.dtype), info)

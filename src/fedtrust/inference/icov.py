@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedtrust.inference.result import InferenceResult, converged
+from fedtrust.inference.result import InferenceResult, converged, resolve_tol, weight_change
 from fedtrust.inference.tasks import TaskGram, as_tasks, mean_noise, weighted_sums
 
 LOG2PI = math.log(2 * math.pi)
@@ -56,6 +56,9 @@ def _masked(phi: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def consensus_coefficients(phi: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(I, J): a_i = Phi_i^-1 1 / (1' Phi_i^-1 1) over each task's sources (eq 3), zero elsewhere."""
     m = mask.to(phi.dtype)
+    if bool(mask.all()):  # every source in every task (a rule's round): one solve, shared by the tasks
+        sol = torch.linalg.solve(phi, m[0])
+        return (sol / sol.sum()).expand_as(m).clone()
     sol = torch.linalg.solve(_masked(phi, mask), m[:, :, None])[:, :, 0] * m
     return sol / sol.sum(1, keepdim=True)
 
@@ -82,7 +85,7 @@ def icov_mle(
     latent_dim: int = 2,
     max_iter: int = 100,
     steps: int = 20,
-    tol: float = 1e-8,
+    tol: float | None = None,
     seed: int = 0,
     source_keys=None,
     init: dict | None = None,
@@ -94,7 +97,9 @@ def icov_mle(
     dE/dsigma_u^2 = tr(G V V') (eq 9c). The variances are stepped in log space (chain rule on 9b-9c, so
     they stay positive) and the steps are quasi-Newton (L-BFGS) with a strong-Wolfe line search: plain
     gradient steps crawl on this badly scaled problem. Every step raises the likelihood, so the trace
-    never decreases.
+    never decreases. Stops when the coefficients of eq 3 are within ``tol`` of their fixed point
+    (absolute, they may be negative: :func:`~fedtrust.inference.result.converged`; default
+    :func:`~fedtrust._checks.stopping_tol` of the estimates' dtype), or after ``max_iter``.
 
     latent_dim: D, the rank of the correlated part. source_keys: ids seeding each source's starting
     factors (default 0..J-1). init: {"V", "noise", "sigma_u2"} to warm-start. past: earlier tasks.
@@ -102,6 +107,7 @@ def icov_mle(
     t = as_tasks(estimates, mask)
     _, sources, k = t.shape
     gram = TaskGram.of(t)  # the iterations need only residual Gram matrices: one pass over the data
+    tol = resolve_tol(tol, t.x.dtype)
     keys = list(range(sources)) if source_keys is None else list(source_keys)
     init = init or {}
     noise = torch.as_tensor(
@@ -121,14 +127,18 @@ def icov_mle(
     all_mask = t.mask if past is None else torch.cat([t.mask, past.mask])
     total = float(all_mask.sum()) * k
     trace: list[float] = []
+    changes: list[float] = []
+    a = None
     for it in range(1, max_iter + 1):
         with torch.no_grad():
-            a = consensus_coefficients(_phi(theta), t.mask)
+            previous, a = a, consensus_coefficients(_phi(theta), t.mask)
             s = gram.residual_gram(a, t.mask)
+        if previous is not None:
+            changes.append(weight_change(a, previous))
         all_s = s if past is None else torch.cat([s, past.gram])
         ll = _fit_covariance(theta, all_mask, all_s, k, total, steps)
         trace.append(ll / total)
-        if converged(trace, tol):
+        if converged(changes, tol):
             break
     with torch.no_grad():
         phi = _phi(theta)
@@ -140,7 +150,9 @@ def icov_mle(
         weights=a,
         trace=trace,
         iterations=it,
-        converged=converged(trace, tol),
+        converged=converged(changes, tol),
+        changes=changes,
+        tol=tol,
         params=params,
         past=IcovMlePast(t.mask, s),
     )
@@ -227,7 +239,7 @@ def icov_vb(
     latent_dim: int = 2,
     noise: str = "per_source",
     max_iter: int = 200,
-    tol: float = 1e-8,
+    tol: float | None = None,
     seed: int = 0,
     source_keys=None,
     init: dict | None = None,
@@ -256,7 +268,10 @@ def icov_vb(
     Sigma = sigma_u^2 E[V V'] + diag(sigma_j^2), weights summing to 1 (a correlated source can get a
     negative one). The posterior mean ybar (eq 15) is in ``params["posterior_mean"]``: with one task and
     many coordinates the factors can absorb the common signal and shrink ybar towards 0, which the
-    weighting is immune to (a common-mode term in Sigma leaves its weights unchanged).
+    weighting is immune to (a common-mode term in Sigma leaves its weights unchanged). Iterations stop
+    when these coefficients are within ``tol`` of their fixed point (absolute,
+    :func:`~fedtrust.inference.result.converged`; default :func:`~fedtrust._checks.stopping_tol` of the
+    estimates' dtype), or after ``max_iter``.
 
     latent_dim: D. source_keys: ids seeding each source's starting factors. init: {"V", "Psi", "noise",
     "sigma_y2", "sigma_u2", "sigma_v2"} to warm-start. past: earlier tasks' statistics.
@@ -268,6 +283,7 @@ def icov_vb(
     d = latent_dim
     m = t.m
     gram = TaskGram.of(t)
+    tol = resolve_tol(tol, t.x.dtype)
     keys = list(range(sources)) if source_keys is None else list(source_keys)
     init = init or {}
     eye = torch.eye(d, dtype=torch.float64, device=t.x.device)
@@ -300,6 +316,8 @@ def icov_vb(
     active = seen > 0
     n_obs = float(seen.sum()) * k
     trace: list[float] = []
+    changes: list[float] = []
+    a = None
     for it in range(1, max_iter + 1):
         w = m / s2  # (I, J): 1 / sigma_j^2 where source j reported on task i
         s_vec = w @ v  # (I, D): sum_j vbar_j / sigma_j^2
@@ -347,19 +365,23 @@ def icov_vb(
         trace.append(
             _icov_vb_free_energy(stats, sm, err, s2, sy2, su2, sv2, v, psi, active, lam, phi_u, k, d) / n_obs
         )
-        if converged(trace, tol):
+        # Algorithm 2, line 3: inverse-covariance weighting (eq 3) under the fitted model's covariance
+        # Sigma = sigma_u^2 E[V V'] + diag(sigma_j^2), with E[v_j v_j'] = vbar_j vbar_j' + Psi_j.
+        sigma = su2 * (v @ v.T + torch.diag(psi.diagonal(dim1=1, dim2=2).sum(1))) + torch.diag(s2)
+        previous, a = a, consensus_coefficients(sigma, t.mask)
+        if previous is not None:
+            changes.append(weight_change(a, previous))
+        if converged(changes, tol):
             break
-    # Algorithm 2, line 3: inverse-covariance weighting (eq 3) under the fitted model's covariance
-    # Sigma = sigma_u^2 E[V V'] + diag(sigma_j^2), with E[v_j v_j'] = vbar_j vbar_j' + Psi_j.
-    sigma = su2 * (v @ v.T + torch.diag(psi.diagonal(dim1=1, dim2=2).sum(1))) + torch.diag(s2)
-    a = consensus_coefficients(sigma, t.mask)
     return InferenceResult(
         consensus=weighted_sums(t, a),
         noise=sigma.diagonal().clone(),
         weights=a,
         trace=trace,
         iterations=it,
-        converged=converged(trace, tol),
+        converged=converged(changes, tol),
+        changes=changes,
+        tol=tol,
         params={
             "V": v,
             "Psi": psi,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedtrust.inference.result import InferenceResult, converged
+from fedtrust.inference.result import InferenceResult, converged, resolve_tol, weight_change
 from fedtrust.inference.tasks import TaskGram, TaskPasses, as_tasks, mean_noise, weighted_sums
 
 LOG2PI = math.log(2 * math.pi)
@@ -59,7 +59,7 @@ def ivar_mle(
     mask=None,
     *,
     max_iter: int = 100,
-    tol: float = 1e-9,
+    tol: float | None = None,
     eps: float = 1e-12,
     init_noise=None,
     past: IvarPast | None = None,
@@ -69,9 +69,12 @@ def ivar_mle(
         y_i = sum_j x_ij / sigma_j^2 / sum_j 1 / sigma_j^2                        (eq 6)
         sigma_j^2 = max(eps, 1 / (K |I_j|) sum_{i in I_j} ||y_i - x_ij||^2)        (eq 7, Algorithm 1 line 3)
 
-    until the log-likelihood changes by less than ``tol`` (relative) or ``max_iter`` iterations. Each
-    step maximises the likelihood in its block, so the trace never decreases. Starts from the plain
-    mean unless ``init_noise`` (J,) is given (NaN entries: unknown sources).
+    until the weights w_ij = (1 / sigma_j^2) / sum_j' 1 / sigma_j'^2 of eq 6 are within ``tol`` of their
+    fixed point (absolute, :func:`~fedtrust.inference.result.converged`; default
+    :func:`~fedtrust._checks.stopping_tol` of the estimates' dtype), or ``max_iter`` iterations.
+    Each step maximises the likelihood in its block, so the
+    trace never decreases. Starts from the plain mean unless ``init_noise`` (J,) is given (NaN entries:
+    unknown sources).
 
     With few sources the iterations run on the tasks' Gram matrices (:class:`TaskGram`: one pass over
     the data, then O(J^2) per iteration) and the consensus is formed once at the end; with many
@@ -82,22 +85,27 @@ def ivar_mle(
     _, sources, k = t.shape
     m = t.m
     gram = TaskPasses(t) if sources >= DIRECT_MIN_SOURCES else TaskGram.of(t)
+    tol = resolve_tol(tol, t.x.dtype)
     past = past or IvarPast.empty(sources, t.x.device)
     noise = torch.ones(sources, dtype=torch.float64, device=t.x.device) if init_noise is None else (
         start_noise(t, init_noise, gram)
     )  # fmt: skip
     count = m.sum(0) + past.count
     trace: list[float] = []
+    changes: list[float] = []
+    weights = None
     for it in range(1, max_iter + 1):
-        weights = m / noise
+        previous, weights = weights, m / noise
         weights = weights / weights.sum(1, keepdim=True)
+        if previous is not None:
+            changes.append(weight_change(weights, previous))
         r = gram.residuals(weights, m) / k
         update = (r.sum(0) + past.total) / count.clamp_min(1)
         noise = torch.where(count > 0, update.clamp_min(eps), noise)
         # mean log-likelihood per observed value, past tasks included (they depend on sigma too)
         ll = -0.5 * ((count * (LOG2PI + noise.log())).sum() + ((r.sum(0) + past.total) / noise).sum())
         trace.append(float(ll / count.sum()))
-        if converged(trace, tol):
+        if converged(changes, tol):
             break
     consensus = gram.combination if isinstance(gram, TaskPasses) else weighted_sums(t, weights)
     return InferenceResult(
@@ -106,7 +114,9 @@ def ivar_mle(
         weights=weights,
         trace=trace,
         iterations=it,
-        converged=converged(trace, tol),
+        converged=converged(changes, tol),
+        changes=changes,
+        tol=tol,
         past=IvarPast(r.sum(0), m.sum(0)),
     )
 
@@ -116,7 +126,7 @@ def ivar_vb(
     mask=None,
     *,
     max_iter: int = 200,
-    tol: float = 1e-9,
+    tol: float | None = None,
     init_noise=None,
     tau2: float | None = None,
     past: IvarPast | None = None,
@@ -130,13 +140,17 @@ def ivar_vb(
 
     (tau^2 and sigma_j^2 shared by the K coordinates, as sigma_j^2 is in Assumption 2). q(y_i) =
     N(ybar_i, lambda_i) is the exact posterior given tau^2 and sigma^2; the consensus is its mean. The
-    free energy never decreases. ``tau2`` fixes the starting prior variance (default: fitted from the
-    plain mean). Like :func:`ivar_mle` it iterates on the Gram matrices: two passes over the data.
+    free energy never decreases. Stops when the weights lambda_i / sigma_j^2 of eq 11 are within ``tol``
+    of their fixed point (absolute, :func:`~fedtrust.inference.result.converged`; default
+    :func:`~fedtrust._checks.stopping_tol` of the estimates' dtype), or after ``max_iter``. ``tau2``
+    fixes the starting prior variance (default: fitted from the plain mean). Like :func:`ivar_mle` it
+    iterates on the Gram matrices: two passes over the data.
     """
     t = as_tasks(estimates, mask)
     tasks, sources, k = t.shape
     m = t.m
     gram = TaskGram.of(t)
+    tol = resolve_tol(tol, t.x.dtype)
     past = past or IvarPast.empty(sources, t.x.device)
     noise = start_noise(t, init_noise, gram)
     if tau2 is None:
@@ -144,10 +158,14 @@ def ivar_vb(
     count = m.sum(0) + past.count
     tau_count = tasks + past.tau_count
     trace: list[float] = []
+    changes: list[float] = []
+    weights = None
     for it in range(1, max_iter + 1):
         precision = m / noise
         lam = 1.0 / (1.0 / tau2 + precision.sum(1))  # (10)
-        weights = lam[:, None] * precision  # (11): ybar_i = sum_j weights_ij x_ij
+        previous, weights = weights, lam[:, None] * precision  # (11): ybar_i = sum_j weights_ij x_ij
+        if previous is not None:
+            changes.append(weight_change(weights, previous))
         ysq = gram.sq_norm(weights) / k
         tau2 = float(((lam + ysq).sum() + past.tau_total) / tau_count)  # (12)
         r = gram.residuals(weights, m) / k
@@ -157,7 +175,7 @@ def ivar_vb(
             _ivar_free_energy(lam, ysq, spread, noise, tau2, count, tau_count, past)
             / float(count.sum() + tau_count)
         )
-        if converged(trace, tol):
+        if converged(changes, tol):
             break
     return InferenceResult(
         consensus=weighted_sums(t, weights),
@@ -165,7 +183,9 @@ def ivar_vb(
         weights=weights,
         trace=trace,
         iterations=it,
-        converged=converged(trace, tol),
+        converged=converged(changes, tol),
+        changes=changes,
+        tol=tol,
         params={"tau2": tau2, "lambda": lam},
         past=IvarPast(spread, m.sum(0), float((lam + ysq).sum()), float(tasks)),
     )

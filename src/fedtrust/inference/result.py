@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from fedtrust._checks import check_float, stopping_tol
+
 
 @dataclass
 class InferenceResult:
@@ -17,6 +19,12 @@ class InferenceResult:
                 coefficients can be negative (a correlated source is partly subtracted).
     trace:      the objective after each iteration (mean log-likelihood per observed value for MLE, the
                 variational free energy per observed value for VB).
+    iterations: how many iterations ran (at most the estimator's ``max_iter``).
+    converged:  whether the weights are within ``tol`` of their fixed point (:func:`converged`).
+    changes:    per iteration from the second on, the largest absolute change of a weight since the
+                previous iteration: what convergence is judged on.
+    tol:        the tolerance it was judged against (by default :func:`fedtrust._checks.stopping_tol` of
+                the estimates' dtype).
     params:     the other fitted quantities (tau2, V, sigma_u2, ...).
     past:       sufficient statistics of these tasks, for a later call's ``past=`` (streaming use).
     """
@@ -27,6 +35,8 @@ class InferenceResult:
     trace: list[float]
     iterations: int
     converged: bool
+    changes: list[float] = field(default_factory=list)
+    tol: float = 0.0
     params: dict[str, Any] = field(default_factory=dict)
     past: Any = None
 
@@ -36,6 +46,30 @@ class InferenceResult:
         return 1.0 / self.noise
 
 
-def converged(trace: list[float], tol: float) -> bool:
-    """The objective moved by at most ``tol`` relative to its size in the last iteration."""
-    return len(trace) > 1 and abs(trace[-1] - trace[-2]) <= tol * max(1.0, abs(trace[-1]))
+def weight_change(new: torch.Tensor, old: torch.Tensor | None) -> float | None:
+    """The largest absolute change of a weight between two iterations (None before the second). The
+    weights of a task sum to ~1 (ICOV's can be negative, VB's shrink), so an absolute change is
+    meaningful whatever the estimates' scale: a change of at most c moves task i's consensus by at most
+    c sum_j ||x_ij|| (by c sum_j ||x_ij - y_i|| where the weights keep summing to 1)."""
+    return None if old is None else float((new - old).abs().max())
+
+
+def converged(changes: list[float], tol: float) -> bool:
+    """The weights are within ``tol`` (absolute) of where the iterations are heading: the last change
+    is at most ``tol``, and so is the rest of the way, c rho / (1 - rho) for a geometric tail at the
+    rate rho = c_k / c_(k-1) of the last two changes. A slow iteration (rho near 1, as VB's often is)
+    moves little per step yet is far from its fixed point: the last change alone would stop it early.
+    At the rounding floor the changes stop shrinking steadily, and the first step that does ends it.
+    The objective is not the test: near its maximum it is flat, so a relative change of it below the
+    data's rounding says nothing about the weights and is reached, or not, by chance."""
+    if len(changes) < 2 or changes[-1] > tol:
+        return False
+    last, before = changes[-1], changes[-2]
+    if last == 0.0:
+        return True
+    return last < before and last * last / (before - last) <= tol  # c rho / (1 - rho), rho = last / before
+
+
+def resolve_tol(tol: float | None, dtype: torch.dtype) -> float:
+    """``tol``, or by default (None) :func:`~fedtrust._checks.stopping_tol` of the estimates' dtype."""
+    return stopping_tol(dtype) if tol is None else check_float("tol", tol, minimum=0.0)

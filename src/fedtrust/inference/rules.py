@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fedtrust._checks import check_choice, check_float, check_int
+from fedtrust._checks import check_choice, check_float, check_int, check_tol
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round
 from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, latent_init
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
@@ -52,10 +52,11 @@ class _WindowRule(BaseRule):
     paper = PAPER
     screens_in_first_pass = True
 
-    def __init__(self, window: int, max_iter: int, tol: float):
+    def __init__(self, window: int, max_iter: int, tol: float | None):
         self.window = check_int(f"{self.name}: window", window, minimum=1)
         self.max_iter = check_int(f"{self.name}: max_iter", max_iter, minimum=1)
-        self.tol = check_float(f"{self.name}: tol", tol, minimum=0.0)
+        # None: the estimator's default, derived from the updates' dtype (fedtrust._checks.stopping_tol)
+        self.tol = check_tol(f"{self.name}: tol", tol)
         self._history: deque = deque(maxlen=self.window - 1)
         self._clients: dict[Any, dict[str, Any]] = {}  # client id -> its persistent estimates
         self._shared: dict[str, Any] = {}  # global estimates (ICOV hyper-parameters)
@@ -95,7 +96,8 @@ class _WindowRule(BaseRule):
 
 class IvarMLE(_WindowRule):
     """IVAR-MLE (Algorithm 1, eqs 6-7) per round, each client's sigma_j^2 pooled over its rounds in the
-    window. Options: window (rounds, this one included), eps (floor on sigma_j^2), max_iter, tol.
+    window. Options: window (rounds, this one included), eps (floor on sigma_j^2), max_iter, tol (on the
+    weights' change; None: derived from the updates' dtype).
 
     The likelihood is unbounded (a client matching the consensus exactly has sigma_j -> 0): the iteration
     settles when several clients share the best noise level and otherwise collapses onto one, with eps
@@ -103,7 +105,7 @@ class IvarMLE(_WindowRule):
 
     name = "ivar_mle"
 
-    def __init__(self, window: int = 10, eps: float = 1e-12, max_iter: int = 100, tol: float = 1e-9):
+    def __init__(self, window: int = 10, eps: float = 1e-12, max_iter: int = 100, tol: float | None = None):
         super().__init__(window, max_iter, tol)
         self.eps = check_float(f"{self.name}: eps", eps, minimum=0.0, strict_min=True)
 
@@ -127,7 +129,7 @@ class IvarVB(_WindowRule):
 
     name = "ivar_vb"
 
-    def __init__(self, window: int = 10, max_iter: int = 200, tol: float = 1e-9):
+    def __init__(self, window: int = 10, max_iter: int = 200, tol: float | None = None):
         super().__init__(window, max_iter, tol)
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
@@ -174,7 +176,7 @@ class IcovMLE(_WindowRule):
     name = "icov_mle"
 
     def __init__(self, latent_dim: int = 2, window: int = 10, steps: int = 20, max_iter: int = 50,
-                 tol: float = 1e-8, seed: int = 0):  # fmt: skip
+                 tol: float | None = None, seed: int = 0):  # fmt: skip
         super().__init__(window, max_iter, tol)
         self.latent_dim = check_int(f"{self.name}: latent_dim", latent_dim, minimum=1)
         self.steps = check_int(f"{self.name}: steps", steps, minimum=1)
@@ -218,7 +220,7 @@ class IcovVB(_WindowRule):
     name = "icov_vb"
 
     def __init__(self, latent_dim: int = 2, noise: str = "per_source", window: int = 10, max_iter: int = 200,
-                 tol: float = 1e-8, seed: int = 0):  # fmt: skip
+                 tol: float | None = None, seed: int = 0):  # fmt: skip
         super().__init__(window, max_iter, tol)
         self.latent_dim = check_int(f"{self.name}: latent_dim", latent_dim, minimum=1)
         self.noise = check_choice(f"{self.name}: noise", noise, ("per_source", "shared"))
