@@ -46,9 +46,10 @@ class FedAG(BaseRule):
         info["posterior_spread"] = float(posterior.var.mean().sqrt())
         return Aggregate(out.vector, out.weights, info)
 
-    def observe(self, client_ids, num_samples, metrics) -> None:
+    def observe(self, client_ids, num_samples, metrics) -> dict:
         if hasattr(self._base, "observe"):
-            self._base.observe(client_ids, num_samples, metrics)
+            return self._base.observe(client_ids, num_samples, metrics)
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         return self._base.state_dict()
