@@ -55,4 +55,8 @@ class FedAG(BaseRule):
         return self._base.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._base.load_state_dict(state)
+        """The base rule's state (checked by the base rule; its message says it is fedag's base)."""
+        try:
+            self._base.load_state_dict(state)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"{self.name} (base {self.base}): {exc}") from None
