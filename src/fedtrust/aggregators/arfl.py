@@ -117,8 +117,15 @@ class ARFL(BaseRule):
         ids = list(self._loss)
         losses = torch.tensor([self._loss[i] for i in ids], dtype=torch.float64)
         samples = torch.tensor([self._samples[i] for i in ids], dtype=torch.float64).clamp_min(1e-12)
+        if not math.isfinite(float(samples.sum() * losses.abs().max())):
+            samples = samples / samples.max()  # alpha is unchanged by scaling every m_i (lam scales too)
         lam = self.lam * float(samples.sum())
         alpha, p = arfl_weights(losses, samples, lam)
+        if not bool(torch.isfinite(alpha).all()):
+            raise ValueError(
+                f"{self.name}: the clients' train_loss values (from {float(losses.min()):.3g} to "
+                f"{float(losses.max()):.3g}) are too far apart to weigh in float64"
+            )
         return dict(zip(ids, alpha.tolist(), strict=True)), p, lam, alpha, losses, samples
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
