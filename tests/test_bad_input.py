@@ -267,3 +267,71 @@ def test_a_rule_that_screens_in_its_first_pass_costs_no_screening_pass_and_quara
         torch.testing.assert_close(out.weights[keep], ref.weights, **dtype_tol(x.dtype, 4))
     with pytest.raises(core.UnscreenedUpdates, match="call the rule itself"):
         rule(name, **options).aggregate(Round(updates=bad))
+
+
+# ---------------------------------------------------------------- degenerate weights (issue 16, item 6)
+
+
+def _weights_ok(out, n):
+    assert torch.isfinite(out.vector).all() and torch.isfinite(out.weights).all()
+    assert (out.weights >= 0).all() and float(out.weights.double().sum()) == pytest.approx(1.0, abs=1e-6)
+    assert out.weights.shape == (n,)
+
+
+def _bench(v):
+    return float(v.double().square().mean())
+
+
+def test_focus_with_every_count_zero_falls_back_to_credibility_not_nan():
+    focus = rule("focus")
+    x = torch.tensor([[1.0], [2.0], [1.5]])
+    for _ in range(2):  # the second round has credibilities
+        out = focus(
+            Round(
+                updates=x, num_samples=torch.zeros(3), metrics={"train_loss": torch.ones(3)}, reference=_bench
+            )
+        )
+        _weights_ok(out, 3)
+
+
+def test_focus_counts_a_benchmark_loss_it_cannot_measure_as_the_worst():
+    focus = rule("focus")
+    x = torch.tensor([[1.0], [2.0], [1.5]])
+    losses = iter([math.nan, 1.0, 2.0] * 2)
+    r = Round(updates=x, metrics={"train_loss": torch.ones(3)}, reference=lambda v: next(losses))
+    focus(r)
+    assert focus.state_dict()["ls"][0] == math.inf
+    out = focus(r)
+    _weights_ok(out, 3)
+    assert out.weights[0] == 0 and out.info["clients"]["credibility"][0] == 0
+
+
+@pytest.mark.parametrize("name", ["mean", "fedavg"])
+@pytest.mark.parametrize("rows", [[1e38], [3e38, 3e38], [3e38, 3e38, -3e38, 1e38]])
+def test_a_mean_of_huge_float32_clients_is_finite_or_quarantines(name, rows):
+    out = rule(name)(Round(updates=torch.tensor(rows)[:, None]))
+    _weights_ok(out, len(rows))
+
+
+def test_fedavg_counts_whose_sum_overflows_still_weigh():
+    out = rule("fedavg")(Round(updates=torch.tensor([[1.0], [3.0]]), num_samples=torch.tensor([3e38, 3e38])))
+    _weights_ok(out, 2)
+    assert out.weights.tolist() == [0.5, 0.5] and out.vector.item() == 2.0
+
+
+def test_arfl_with_counts_and_losses_near_the_float64_limit_is_finite():
+    arfl = rule("arfl")
+    r = Round(
+        updates=torch.randn(4, 3, dtype=torch.float64),
+        num_samples=torch.tensor([1e300, 1e300, 1e300, 1.0], dtype=torch.float64),
+        metrics={"train_loss": torch.tensor([1e300, 1.0, 2.0, -1e300], dtype=torch.float64)},
+    )
+    for _ in range(2):
+        _weights_ok(arfl(r), 4)
+    spread = Round(
+        updates=torch.randn(2, 3, dtype=torch.float64),
+        metrics={"train_loss": torch.tensor([1.7e308, -1.7e308], dtype=torch.float64)},
+    )
+    out = rule("arfl")(spread)  # differences overflow to inf: the limit of eq 9, all weight on the lower loss
+    _weights_ok(out, 2)
+    assert out.weights.tolist() == [0.0, 1.0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -11,6 +12,19 @@ from fedtrust._checks import check_choice, check_float
 from fedtrust.aggregators.core import Aggregate, BaseRule, NoValidUpdates, Round
 from fedtrust.aggregators.kernels import weighted_sum
 from fedtrust.aggregators.reports import DEFENCES, defend
+from fedtrust.aggregators.state import Dict, Fields, Float, check_state
+
+
+def _same_clients(state: dict, dims: dict) -> str | None:
+    loss, samples = state.get("loss", {}), state.get("samples", {})
+    if loss.keys() != samples.keys():
+        odd = next(iter(loss.keys() ^ samples.keys()))
+        return f"'loss' and 'samples' must hold the same clients; {odd!r} is in only one"
+    return None
+
+
+#: Every known client's latest reported loss L_i and sample count m_i, by id.
+STATE = Fields(optional={"loss": Dict(Float()), "samples": Dict(Float(minimum=0.0))}, test=_same_clients)
 
 
 def arfl_weights(losses: torch.Tensor, samples: torch.Tensor, lam: float) -> tuple[torch.Tensor, int]:
@@ -73,18 +87,45 @@ class ARFL(BaseRule):
         self._loss: dict[Any, float] = {}
         self._samples: dict[Any, float] = {}
 
-    def observe(self, client_ids: Sequence, num_samples, metrics: Mapping[str, Any]) -> None:
-        """Record losses without aggregating (the initial report of every client)."""
-        for cid, m, loss in zip(client_ids, torch.as_tensor(num_samples).tolist(),
-                                torch.as_tensor(metrics["train_loss"]).tolist(), strict=True):  # fmt: skip
-            self._loss[cid], self._samples[cid] = float(loss), float(m)
+    def observe(self, client_ids: Sequence, num_samples, metrics: Mapping[str, Any]) -> dict[Any, str]:
+        """Record losses without aggregating (the initial report of every client). A report the front door
+        would quarantine (a loss that is not finite, a count that is not a finite non-negative number) is
+        not recorded: that client enters with its first round's report. Returns client id -> why its
+        report was left out."""
+        if "train_loss" not in metrics:
+            got = sorted(metrics) or "none"
+            raise ValueError(f"{self.name}: observe needs metric 'train_loss'; got {got}")
+        ids = list(client_ids)
+        counts = torch.as_tensor(num_samples, dtype=torch.float64).reshape(-1).tolist()
+        losses = torch.as_tensor(metrics["train_loss"], dtype=torch.float64).reshape(-1).tolist()
+        if not len(ids) == len(counts) == len(losses):
+            raise ValueError(
+                f"{self.name}: observe got {len(ids)} client ids, {len(counts)} num_samples and "
+                f"{len(losses)} train_loss values; need one of each per client"
+            )
+        left_out = {}
+        for cid, m, loss in zip(ids, counts, losses, strict=True):
+            if not (math.isfinite(m) and m >= 0):
+                left_out[cid] = f"num_samples={m!r} is not a finite non-negative count"
+            elif not math.isfinite(loss):
+                left_out[cid] = f"metric train_loss={loss!r} is not finite"
+            else:
+                self._loss[cid], self._samples[cid] = loss, m
+        return left_out
 
     def _alpha(self) -> tuple[dict, int, float, torch.Tensor, torch.Tensor, torch.Tensor]:
         ids = list(self._loss)
         losses = torch.tensor([self._loss[i] for i in ids], dtype=torch.float64)
         samples = torch.tensor([self._samples[i] for i in ids], dtype=torch.float64).clamp_min(1e-12)
+        if not math.isfinite(float(samples.sum() * losses.abs().max())):
+            samples = samples / samples.max()  # alpha is unchanged by scaling every m_i (lam scales too)
         lam = self.lam * float(samples.sum())
         alpha, p = arfl_weights(losses, samples, lam)
+        if not bool(torch.isfinite(alpha).all()):
+            raise ValueError(
+                f"{self.name}: the clients' train_loss values (from {float(losses.min()):.3g} to "
+                f"{float(losses.max()):.3g}) are too far apart to weigh in float64"
+            )
         return dict(zip(ids, alpha.tolist(), strict=True)), p, lam, alpha, losses, samples
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
@@ -115,8 +156,5 @@ class ARFL(BaseRule):
         return {"loss": dict(self._loss), "samples": dict(self._samples)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = set(state) - {"loss", "samples"}
-        if unknown:
-            raise ValueError(f"{self.name}: unknown state keys {sorted(unknown)}; expected 'loss', 'samples'")
-        self._loss = dict(state.get("loss", {}))
-        self._samples = dict(state.get("samples", {}))
+        state = check_state(self.name, STATE, state)
+        self._loss, self._samples = state.get("loss", {}), state.get("samples", {})

@@ -10,6 +10,10 @@ import torch
 from fedtrust._checks import check_float, check_int
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round
 from fedtrust.aggregators.kernels import CombinationPasses, weighted_sum
+from fedtrust.aggregators.state import Fields, Tensor, check_state
+
+#: The centre is a finite vector of the rounds' length, kept in their dtype.
+STATE = Fields(optional={"center": Tensor(("d",), dtype=None)})
 
 
 class CenteredClipping(BaseRule):
@@ -49,6 +53,8 @@ class CenteredClipping(BaseRule):
             )
         else:
             v = v.to(device=x.device, dtype=x.dtype)
+            if not bool(torch.isfinite(v).all()):
+                raise ValueError(f"{self.name}: the stored centre does not fit in this round's {x.dtype}")
             _, sq, _ = passes(None, offset=v)
             dist = sq.sqrt()
         coef = torch.zeros(n, dtype=torch.float64, device=x.device)
@@ -74,8 +80,5 @@ class CenteredClipping(BaseRule):
         return {} if self._center is None else {"center": self._center.cpu().clone()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = set(state) - {"center"}
-        if unknown:
-            raise ValueError(f"{self.name}: unknown state keys {sorted(unknown)}; expected 'center'")
-        center = state.get("center")
-        self._center = None if center is None else torch.as_tensor(center).clone()
+        state = check_state(self.name, STATE, state)
+        self._center = state.get("center")

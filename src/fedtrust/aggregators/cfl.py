@@ -11,6 +11,19 @@ from fedtrust._checks import check_float
 from fedtrust.aggregators.core import Aggregate, BaseRule, NoValidUpdates, Round
 from fedtrust.aggregators.kernels import gram, weighted_sum
 from fedtrust.aggregators.mean import sample_weights
+from fedtrust.aggregators.state import Dict, Fields, Int, check_state
+
+
+def _excluded_by_then(state: dict, dims: dict) -> str | None:
+    late = {k: t for k, t in state.get("excluded", {}).items() if t > state.get("round", 0)}
+    if late:
+        cid, t = next(iter(late.items()))
+        return f"client {cid!r} is excluded in round {t}, after the state's round {state.get('round', 0)}"
+    return None
+
+
+#: Excluded client id -> the round (1, 2, ...) it was excluded in; rounds aggregated so far.
+STATE = Fields(optional={"excluded": Dict(Int(minimum=1)), "round": Int(minimum=0)}, test=_excluded_by_then)
 
 
 def optimal_bipartition(similarity: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -120,10 +133,6 @@ class CFL(BaseRule):
         return {"excluded": dict(self._excluded), "round": self._round}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = set(state) - {"excluded", "round"}
-        if unknown:
-            raise ValueError(
-                f"{self.name}: unknown state keys {sorted(unknown)}; expected 'excluded', 'round'"
-            )
-        self._excluded = dict(state.get("excluded", {}))
-        self._round = int(state.get("round", 0))
+        state = check_state(self.name, STATE, state)
+        self._excluded = state.get("excluded", {})
+        self._round = state.get("round", 0)

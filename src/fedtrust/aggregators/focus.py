@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,11 +12,25 @@ from fedtrust._checks import check_choice, check_float
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round
 from fedtrust.aggregators.kernels import weighted_sum
 from fedtrust.aggregators.reports import DEFENCES, defend, reference_losses
+from fedtrust.aggregators.state import Dict, Fields, Float, check_state
+
+#: Each client's latest benchmark loss LS (eq 4), by id; +inf where it could not be measured.
+STATE = Fields(optional={"ls": Dict(Float(infinite=True))})
 
 
 def credibility(e: torch.Tensor, alpha: float) -> torch.Tensor:
-    """C^k = 1 - exp(alpha E^k) / sum_i exp(alpha E^i) (eq 6), computed stably."""
-    return 1.0 - torch.softmax(alpha * e.to(torch.float64), 0)
+    """C^k = 1 - exp(alpha E^k) / sum_i exp(alpha E^i) (eq 6), computed stably.
+
+    E^k = +inf (a loss too large to represent, or one that could not be measured: NaN counts as +inf)
+    takes eq 6's limit: the clients at +inf share the whole softmax mass (their C is 1 - 1/m for m of
+    them, so 0 for one) and every other client gets C = 1. alpha = 0 gives every client 1 - 1/n."""
+    z = e.to(torch.float64).nan_to_num(nan=math.inf)
+    if alpha == 0:
+        return torch.full_like(z, 1.0 - 1.0 / len(z))
+    top = z == math.inf
+    if bool(top.any()):
+        return 1.0 - top.to(torch.float64) / top.sum()
+    return 1.0 - torch.softmax(alpha * z, 0)
 
 
 class FOCUS(BaseRule):
@@ -33,7 +48,10 @@ class FOCUS(BaseRule):
                benchmark loss of the client's update).
 
     With partial participation a client's LS is its latest; a client seen for the first time gets the
-    mean credibility of the others. ``info``: per client credibility, E, LS and LL.
+    mean credibility of the others. Degenerate rounds never give a NaN model: when every weight n_k C^k
+    is 0 the weights fall back to n_k / sum n (every credibility 0: a single known client), then to the
+    credibilities alone (every count 0), then to 1/n; a benchmark loss that is not finite counts as +inf
+    (see :func:`credibility`). ``info``: per client credibility, E, LS and LL.
     """
 
     name = "focus"
@@ -64,13 +82,18 @@ class FOCUS(BaseRule):
             cred[known] = credibility(e[known], self.alpha)
             cred[~known] = cred[known].mean()
         w = n * cred
-        if not w.sum() > 0:
-            w = n.clone()
+        for fallback in (n, cred, torch.ones_like(cred)):  # every count or credibility 0 (say so)
+            if w.sum() > 0:
+                break
+            w = fallback
+        if not torch.isfinite(w.sum()):  # huge counts: scaled so that their sum cannot overflow
+            w = w / w.max()
         weights = (w / w.sum()).to(round.updates.dtype)
         vector = weighted_sum(round.updates, weights)
         ls = reference_losses(round) * (
             bench_size if self.reduction == "sum" else 1.0
         )  # eq 4, for next round
+        ls = torch.where(torch.isfinite(ls), ls, math.inf)  # unmeasurable: the worst loss (eq 6's limit)
         self._ls.update(zip(round.client_ids, ls.tolist(), strict=True))
         info = {"clients": {"credibility": cred, "E": e, "LS_previous": ls_prev, "LL": ll, "LS": ls}}
         return Aggregate(vector, weights, info)
@@ -79,7 +102,4 @@ class FOCUS(BaseRule):
         return {"ls": dict(self._ls)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = set(state) - {"ls"}
-        if unknown:
-            raise ValueError(f"{self.name}: unknown state keys {sorted(unknown)}; expected 'ls'")
-        self._ls = dict(state.get("ls", {}))
+        self._ls = check_state(self.name, STATE, state).get("ls", {})

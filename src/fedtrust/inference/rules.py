@@ -20,6 +20,20 @@ import torch
 
 from fedtrust._checks import check_choice, check_float, check_int, check_tol
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round
+from fedtrust.aggregators.state import (
+    ClientId,
+    Dict,
+    Fields,
+    Float,
+    Int,
+    List,
+    Spec,
+    Tensor,
+    check_state,
+    copy_tree,
+    symmetric_positive_definite,
+    symmetric_positive_semidefinite,
+)
 from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, latent_init
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
 from fedtrust.inference.tasks import Tasks
@@ -47,7 +61,31 @@ def _trust(coefficients: torch.Tensor) -> torch.Tensor:
 class _WindowRule(BaseRule):
     """Shared window bookkeeping: ``window`` rounds (this one included) inform each client's estimates.
     Every estimator starts with one pass over the data (a Gram matrix or a fused step), which screens the
-    round; the window state changes only once the estimator returns."""
+    round; the window state changes only once the estimator returns.
+
+    The state is a plain tree (what ``state_dict`` returns and ``load_state_dict`` checks against
+    ``_state_spec``): "history", the earlier rounds of the window, oldest first, each a record of that
+    round's statistics keyed by client id; "clients", client id -> its persistent estimates; "shared",
+    the global estimates (hyper-parameters)."""
+
+    #: The entries of one history round, one client's estimates, and the shared estimates.
+    def _history_spec(self) -> Spec:
+        raise NotImplementedError
+
+    def _client_spec(self) -> Spec:
+        raise NotImplementedError
+
+    def _shared_spec(self) -> Spec:
+        return Fields()
+
+    def _state_spec(self) -> Fields:
+        return Fields(
+            optional={
+                "history": List(self._history_spec(), max_length=self.window - 1),
+                "clients": Dict(self._client_spec()),
+                "shared": self._shared_spec(),
+            }
+        )
 
     paper = PAPER
     screens_in_first_pass = True
@@ -80,15 +118,13 @@ class _WindowRule(BaseRule):
         return Aggregate(result.consensus[0].to(round.updates.dtype), weights, info)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self._history), "clients": dict(self._clients), "shared": dict(self._shared)}
+        return copy_tree({"history": list(self._history), "clients": self._clients, "shared": self._shared})
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = set(state) - {"history", "clients", "shared"}
-        if unknown:
-            raise ValueError(f"{self.name}: unknown state keys {sorted(unknown)}")
+        state = check_state(self.name, self._state_spec(), state)  # everything checked, then kept
         self._history = deque(state.get("history", []), maxlen=self.window - 1)
-        self._clients = dict(state.get("clients", {}))
-        self._shared = dict(state.get("shared", {}))
+        self._clients = state.get("clients", {})
+        self._shared = state.get("shared", {})
 
     def _known(self, ids, key: str) -> torch.Tensor:
         return torch.tensor([self._clients.get(i, {}).get(key, math.nan) for i in ids], dtype=torch.float64)
@@ -108,6 +144,12 @@ class IvarMLE(_WindowRule):
     def __init__(self, window: int = 10, eps: float = 1e-12, max_iter: int = 100, tol: float | None = None):
         super().__init__(window, max_iter, tol)
         self.eps = check_float(f"{self.name}: eps", eps, minimum=0.0, strict_min=True)
+
+    def _history_spec(self) -> Spec:
+        return Dict(Float(minimum=0.0))  # client id -> its mean squared residual that round
+
+    def _client_spec(self) -> Spec:
+        return Fields({"noise": Float(positive=True)})
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
         ids = round.client_ids
@@ -131,6 +173,15 @@ class IvarVB(_WindowRule):
 
     def __init__(self, window: int = 10, max_iter: int = 200, tol: float | None = None):
         super().__init__(window, max_iter, tol)
+
+    def _history_spec(self) -> Spec:  # eq 13's and eq 12's sums that round
+        return Fields({"clients": Dict(Float(minimum=0.0)), "tau": Float(minimum=0.0)})
+
+    def _client_spec(self) -> Spec:
+        return Fields({"noise": Float(positive=True)})
+
+    def _shared_spec(self) -> Spec:
+        return Fields(optional={"tau2": Float(positive=True)})
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
         ids = round.client_ids
@@ -182,11 +233,26 @@ class IcovMLE(_WindowRule):
         self.steps = check_int(f"{self.name}: steps", steps, minimum=1)
         self.seed = check_int(f"{self.name}: seed", seed)
 
+    def _history_spec(self) -> Spec:  # that round's clients and their residual Gram matrix
+        return Fields(
+            {
+                "ids": List(ClientId(), length="J", unique=True),
+                "gram": Tensor(("J", "J"), test=symmetric_positive_semidefinite),
+            }
+        )
+
+    def _client_spec(self) -> Spec:
+        return Fields({"v": Tensor((self.latent_dim,)), "noise": Float(positive=True)})
+
+    def _shared_spec(self) -> Spec:
+        return Fields(optional={"sigma_u2": Float(positive=True)})
+
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
         ids = round.client_ids
         masks, grams = [], []
-        for entry_ids, gram in self._history:
-            mask, index = _embed(ids, entry_ids)
+        for entry in self._history:
+            gram = entry["gram"]
+            mask, index = _embed(ids, entry["ids"])
             masks.append(mask)
             grams.append(gram[index][:, index] * (mask[:, None] & mask[None, :]).to(gram.dtype))
         past = IcovMlePast(torch.stack(masks), torch.stack(grams)) if masks else None
@@ -203,7 +269,7 @@ class IcovMLE(_WindowRule):
             _task(round), latent_dim=self.latent_dim, max_iter=self.max_iter, steps=self.steps,
             tol=self.tol, seed=self.seed, source_keys=ids, init=init, past=past,
         )  # fmt: skip
-        self._history.append((list(ids), res.past.gram[0]))
+        self._history.append({"ids": list(ids), "gram": res.past.gram[0]})
         for k, i in enumerate(ids):
             self._clients[i] = {"v": res.params["V"][k].clone(), "noise": float(res.params["sigma2"][k])}
         self._shared["sigma_u2"] = res.params["sigma_u2"]
@@ -226,14 +292,43 @@ class IcovVB(_WindowRule):
         self.noise = check_choice(f"{self.name}: noise", noise, ("per_source", "shared"))
         self.seed = check_int(f"{self.name}: seed", seed)
 
+    def _history_spec(self) -> Spec:  # that round's IcovVbPast (eqs 18-23), its one task squeezed out
+        d = self.latent_dim
+        return Fields(
+            {
+                "ids": List(ClientId(), length="J", unique=True),
+                "A": Tensor((d, d), test=symmetric_positive_semidefinite),
+                "b": Tensor(("J", d)),
+                "c": Tensor(("J",), minimum=0.0),
+                "yterm": Float(minimum=0.0),
+                "uterm": Float(minimum=0.0),
+                "k": Int(minimum=1),
+            }
+        )
+
+    def _client_spec(self) -> Spec:
+        d = self.latent_dim
+        return Fields(
+            {
+                "v": Tensor((d,)),
+                "psi": Tensor((d, d), test=symmetric_positive_definite),
+                "noise": Float(positive=True),
+            }
+        )
+
+    def _shared_spec(self) -> Spec:
+        return Fields(optional={k: Float(positive=True) for k in ("sigma_y2", "sigma_u2", "sigma_v2")})
+
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
         ids = round.client_ids
         d = self.latent_dim
         past = None
-        for entry_ids, stats in self._history:
-            mask, b = _embed(ids, entry_ids, stats.b[0])
-            _, c = _embed(ids, entry_ids, stats.c[0])
-            piece = IcovVbPast(mask[None], stats.A, b[None], c[None], stats.yterm, stats.uterm, stats.k)
+        for entry in self._history:
+            mask, b = _embed(ids, entry["ids"], entry["b"])
+            _, c = _embed(ids, entry["ids"], entry["c"])
+            a = entry["A"]
+            terms = torch.tensor([[entry["yterm"]], [entry["uterm"]]], dtype=a.dtype, device=a.device)
+            piece = IcovVbPast(mask[None], a[None], b[None], c[None], terms[0], terms[1], entry["k"])
             past = piece if past is None else past.cat(piece)
         init = dict(self._shared)
         init["noise"] = self._known(ids, "noise")
@@ -254,7 +349,18 @@ class IcovVB(_WindowRule):
             _task(round), latent_dim=d, noise=self.noise, max_iter=self.max_iter, tol=self.tol,
             seed=self.seed, source_keys=ids, init=init, past=past,
         )  # fmt: skip
-        self._history.append((list(ids), res.past))
+        stats = res.past
+        self._history.append(
+            {
+                "ids": list(ids),
+                "A": stats.A[0],
+                "b": stats.b[0],
+                "c": stats.c[0],
+                "yterm": float(stats.yterm[0]),
+                "uterm": float(stats.uterm[0]),
+                "k": int(stats.k),
+            }
+        )
         for k, i in enumerate(ids):
             self._clients[i] = {
                 "v": res.params["V"][k].clone(),

@@ -145,8 +145,9 @@ class TaskGram:
         return out + self.mean_sq[:, None, None] * sp[:, :, None] * sq[:, None, :]
 
     def sq_norm(self, w: torch.Tensor) -> torch.Tensor:
-        """(I,): ||sum_j w_ij x_ij||^2."""
-        return self.form(w[:, :, None], w[:, :, None])[:, 0, 0]
+        """(I,): ||sum_j w_ij x_ij||^2 (from the Gram matrix, whose cancellation can leave a tiny negative
+        number where the norm is ~0 beside huge updates: floored at 0, as a squared norm is)."""
+        return self.form(w[:, :, None], w[:, :, None])[:, 0, 0].clamp_min(0)
 
     def residuals(self, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(I, J): ||x_ij - sum_l w_il x_il||^2 where present, zero elsewhere, in O(J^2) per task."""

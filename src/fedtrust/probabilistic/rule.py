@@ -46,12 +46,17 @@ class FedAG(BaseRule):
         info["posterior_spread"] = float(posterior.var.mean().sqrt())
         return Aggregate(out.vector, out.weights, info)
 
-    def observe(self, client_ids, num_samples, metrics) -> None:
+    def observe(self, client_ids, num_samples, metrics) -> dict:
         if hasattr(self._base, "observe"):
-            self._base.observe(client_ids, num_samples, metrics)
+            return self._base.observe(client_ids, num_samples, metrics)
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         return self._base.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._base.load_state_dict(state)
+        """The base rule's state (checked by the base rule; its message says it is fedag's base)."""
+        try:
+            self._base.load_state_dict(state)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"{self.name} (base {self.base}): {exc}") from None
