@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fedtrust._checks import check_choice, check_float, check_int, check_tol
-from fedtrust.aggregators.core import Aggregate, BaseRule, Round
+from fedtrust.aggregators.core import Aggregate, BaseRule, Round, UnscreenedUpdates
 from fedtrust.aggregators.state import (
     ClientId,
     Dict,
@@ -99,6 +99,31 @@ class _WindowRule(BaseRule):
         self._clients: dict[Any, dict[str, Any]] = {}  # client id -> its persistent estimates
         self._shared: dict[str, Any] = {}  # global estimates (ICOV hyper-parameters)
 
+    def _fit(self, round: Round, estimator, **options):
+        """Run ``estimator`` on the round as one task. A fit that breaks down (a singular system, a
+        non-finite consensus or noise: updates near the dtype's limits, whose squares the Gram
+        statistics cannot hold) raises a ``ValueError`` naming the rule, before any state is changed: the
+        round is not aggregated, never aggregated to NaN."""
+        try:
+            res = estimator(_task(round), **options)
+        except UnscreenedUpdates:
+            raise
+        except (torch.linalg.LinAlgError, ArithmeticError, ValueError) as exc:
+            raise ValueError(
+                f"{self.name}: the fit broke down on this round ({exc}){self._scale(round)}"
+            ) from exc
+        if not all(bool(torch.isfinite(t).all()) for t in (res.consensus, res.noise, res.weights)):
+            raise ValueError(f"{self.name}: the fit is not finite on this round{self._scale(round)}")
+        return res
+
+    @staticmethod
+    def _scale(round: Round) -> str:
+        tail = ": the round is not aggregated and the rule's state is unchanged"
+        if not round.norms_taken:  # (taking them here would tell the front door the round was screened)
+            return tail
+        norms = round.norms
+        return f" (update norms {float(norms.min()):.3g} to {float(norms.max()):.3g})" + tail
+
     def _finish(self, round: Round, result, extra_info: dict) -> Aggregate:
         coefficients = result.weights[0]
         info = {
@@ -157,7 +182,7 @@ class IvarMLE(_WindowRule):
             torch.tensor([sum(h.get(i, 0.0) for h in self._history) for i in ids], dtype=torch.float64),
             torch.tensor([sum(i in h for h in self._history) for i in ids], dtype=torch.float64),
         )
-        res = ivar_mle(_task(round), max_iter=self.max_iter, tol=self.tol, eps=self.eps,
+        res = self._fit(round, ivar_mle, max_iter=self.max_iter, tol=self.tol, eps=self.eps,
                        init_noise=self._known(ids, "noise"), past=past)  # fmt: skip
         self._history.append(dict(zip(ids, res.past.total.tolist(), strict=True)))
         for i, noise in zip(ids, res.noise.tolist(), strict=True):
@@ -193,8 +218,8 @@ class IvarVB(_WindowRule):
             sum(h["tau"] for h in self._history),
             float(len(self._history)),
         )
-        res = ivar_vb(
-            _task(round), max_iter=self.max_iter, tol=self.tol, init_noise=self._known(ids, "noise"),
+        res = self._fit(
+            round, ivar_vb, max_iter=self.max_iter, tol=self.tol, init_noise=self._known(ids, "noise"),
             tau2=self._shared.get("tau2"), past=past,
         )  # fmt: skip
         self._history.append(
@@ -265,8 +290,8 @@ class IcovMLE(_WindowRule):
             init["sigma_u2"] = self._shared["sigma_u2"]
         if torch.isnan(init["noise"]).any():
             del init["noise"]
-        res = icov_mle(
-            _task(round), latent_dim=self.latent_dim, max_iter=self.max_iter, steps=self.steps,
+        res = self._fit(
+            round, icov_mle, latent_dim=self.latent_dim, max_iter=self.max_iter, steps=self.steps,
             tol=self.tol, seed=self.seed, source_keys=ids, init=init, past=past,
         )  # fmt: skip
         self._history.append({"ids": list(ids), "gram": res.past.gram[0]})
@@ -345,8 +370,8 @@ class IcovVB(_WindowRule):
             init["Psi"] = torch.stack(
                 [self._clients[i]["psi"] if k else eye for i, k in zip(ids, known, strict=True)]
             )
-        res = icov_vb(
-            _task(round), latent_dim=d, noise=self.noise, max_iter=self.max_iter, tol=self.tol,
+        res = self._fit(
+            round, icov_vb, latent_dim=d, noise=self.noise, max_iter=self.max_iter, tol=self.tol,
             seed=self.seed, source_keys=ids, init=init, past=past,
         )  # fmt: skip
         stats = res.past
