@@ -32,3 +32,20 @@ def dtype_tol(dtype: torch.dtype, factor: float = 1.0, scale: float = 1.0) -> di
     the fixed point, agree to a few times it; rounding alone gives far less."""
     tol = factor * stopping_tol(dtype)
     return {"rtol": tol, "atol": tol * scale}
+
+
+def assert_tree_equal(a, b):
+    """Two state trees hold the same keys in the same order, the same types and bit-equal values."""
+    assert type(a) is type(b)
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_tree_equal(a[k], b[k])
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_tree_equal(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    else:
+        assert a == b or (a != a and b != b)

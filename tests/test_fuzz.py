@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from conftest import assert_tree_equal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -188,7 +189,7 @@ def accepts_then_aggregates(name, agg, state):
         agg.load_state_dict(state)
     except (ValueError, TypeError) as exc:
         assert str(exc).startswith(name), exc
-        _same(agg.state_dict(), before)  # a refused state changes nothing
+        assert_tree_equal(agg.state_dict(), before)  # a refused state changes nothing
         return
     check_outcome(name, CLEAN, lambda: agg(CLEAN))
 
@@ -219,22 +220,6 @@ def _paths(tree, path=()):
             yield from _paths(v, (*path, i))
     else:
         yield path
-
-
-def _same(a, b):
-    assert type(a) is type(b)
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, list):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _same(x, y)
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    else:
-        assert a == b or (a != a and b != b)
 
 
 SPOILERS = st.one_of(

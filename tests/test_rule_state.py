@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import assert_tree_equal
 
 from fedtrust import Round, rule
 from fedtrust.aggregators import BaseRule, available
@@ -83,7 +84,7 @@ def test_state_dict_is_a_copy(name):
     for value in _leaves(state):
         if isinstance(value, torch.Tensor):
             value.fill_(123.0)
-    _assert_tree_equal(a.state_dict(), before)
+    assert_tree_equal(a.state_dict(), before)
 
 
 def _leaves(tree):
@@ -95,22 +96,6 @@ def _leaves(tree):
             yield from _leaves(v)
     else:
         yield tree
-
-
-def _assert_tree_equal(a, b):
-    assert type(a) is type(b)
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _assert_tree_equal(a[k], b[k])
-    elif isinstance(a, list):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _assert_tree_equal(x, y)
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    else:
-        assert a == b or (a != a and b != b)
 
 
 @functools.cache
@@ -371,7 +356,7 @@ def test_garbage_state_is_refused_naming_the_key_and_the_rule_is_unchanged(name,
     before = r.state_dict()
     with pytest.raises(error, match=message):
         r.load_state_dict(spoil(r.state_dict()))
-    _assert_tree_equal(r.state_dict(), before)
+    assert_tree_equal(r.state_dict(), before)
     # and it still aggregates as the untouched rule does
     torch.testing.assert_close(r(NEXT).vector, _trained(name)[1], rtol=0, atol=0)
 
