@@ -81,3 +81,8 @@ def stopping_tol(dtype: torch.dtype) -> float:
 def check_tol(field: str, value: Any) -> float | None:
     """``None`` (derive the tolerance from the data's dtype: :func:`stopping_tol`) or a float >= 0."""
     return None if value is None else check_float(field, value, minimum=0.0)
+
+
+def resolve_tol(tol: float | None, dtype: torch.dtype) -> float:
+    """``tol``, or by default (None) :func:`stopping_tol` of the data's dtype."""
+    return stopping_tol(dtype) if tol is None else check_float("tol", tol, minimum=0.0)

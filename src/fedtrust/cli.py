@@ -106,12 +106,13 @@ def report(
 
     if out is not None and out.exists() and not out.is_dir():
         raise _fail(f"--out {out} is a file; give a folder for the report")
+    runs = load_runs(directory)
     try:
-        path = write_report(directory, out)
+        path = write_report(directory, out, runs)
     except FileNotFoundError as exc:
         raise _fail(str(exc)) from None
     typer.echo(f"wrote {path}")
-    left_out = [r for r in load_runs(directory) if r.status != "finished"]
+    left_out = [r for r in runs if r.status != "finished"]
     for r in left_out:
         typer.echo(f"{r.status}: {r.directory}: {r.reason}", err=True)
     unreadable = sum(r.status == "unreadable" for r in left_out)

@@ -11,6 +11,7 @@ import torch
 from fedtrust._checks import check_choice, check_float
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round
 from fedtrust.aggregators.kernels import weighted_sum
+from fedtrust.aggregators.mean import normalised
 from fedtrust.aggregators.reports import DEFENCES, defend, reference_losses
 from fedtrust.aggregators.state import Dict, Fields, Float, check_state
 
@@ -82,13 +83,11 @@ class FOCUS(BaseRule):
             cred[known] = credibility(e[known], self.alpha)
             cred[~known] = cred[known].mean()
         w = n * cred
-        for fallback in (n, cred, torch.ones_like(cred)):  # every count or credibility 0 (say so)
+        for fallback in (n, cred, torch.ones_like(cred)):  # every count or every credibility is 0
             if w.sum() > 0:
                 break
             w = fallback
-        if not torch.isfinite(w.sum()):  # huge counts: scaled so that their sum cannot overflow
-            w = w / w.max()
-        weights = (w / w.sum()).to(round.updates.dtype)
+        weights = normalised(w).to(round.updates.dtype)
         vector = weighted_sum(round.updates, weights)
         ls = reference_losses(round) * (
             bench_size if self.reduction == "sum" else 1.0

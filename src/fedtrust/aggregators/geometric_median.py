@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedtrust._checks import check_float, check_int, check_tol, stopping_tol
+from fedtrust._checks import check_float, check_int, check_tol, resolve_tol
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round
 from fedtrust.aggregators.kernels import CombinationPasses
 from fedtrust.aggregators.mean import sample_weights
@@ -62,7 +62,7 @@ class GeometricMedian(BaseRule):
         z, sq, _ = passes(beta)
         dist = sq.sqrt()
         trace = [float(alpha @ dist)]
-        tol = stopping_tol(x.dtype) if self.tol is None else self.tol
+        tol = resolve_tol(self.tol, x.dtype)
         rounding = self.ROUNDING_STEP * torch.finfo(x.dtype).eps
         converged, iterations, step = False, 0, float("nan")
         while iterations < self.max_iter:

@@ -34,15 +34,20 @@ class FedAvg(BaseRule):
 
 
 def sample_weights(round: Round, rule: str) -> torch.Tensor:
-    """n_k / sum_i n_i, with a clear error when every reported count is zero. Counts whose sum overflows
-    the dtype, or is too small to divide by accurately (subnormal), are first scaled by the largest."""
-    counts = round.num_samples
-    total = counts.sum()
+    """n_k / sum_i n_i (:func:`normalised`), with a clear error when every reported count is zero."""
+    total = round.num_samples.sum()
     if not total > 0:
         raise ValueError(
             f"{rule}: the reported num_samples sum to {total.item()}; sample weights need a positive total"
         )
-    if not torch.finfo(counts.dtype).tiny <= total < torch.inf:
-        counts = counts / counts.max()
-        total = counts.sum()
-    return counts / total
+    return normalised(round.num_samples)
+
+
+def normalised(w: torch.Tensor) -> torch.Tensor:
+    """``w / w.sum()`` for non-negative ``w`` with a positive sum. When the sum overflows the dtype, or is
+    too small to divide by accurately (subnormal), ``w`` is first scaled by its largest entry."""
+    total = w.sum()
+    if not torch.finfo(w.dtype).tiny <= total < torch.inf:
+        w = w / w.max()
+        total = w.sum()
+    return w / total

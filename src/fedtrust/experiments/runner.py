@@ -93,10 +93,14 @@ def build_simulation(cfg: ExperimentConfig, datasets: _DatasetCache | None = Non
     return Simulation(federation, model, rule, cfg.train, cfg.seed, attack=attack, lie=lie)
 
 
+def resolved(cfg: ExperimentConfig) -> dict[str, Any]:
+    """A run's fully resolved config as JSON data (defaults filled in, overrides and sweep applied)."""
+    return cfg.model_dump(mode="json", exclude={"sweep"})
+
+
 def config_hash(cfg: ExperimentConfig) -> str:
-    """SHA-256 of the fully resolved run config (defaults filled in, overrides and sweep applied)."""
-    resolved = json.dumps(cfg.model_dump(mode="json", exclude={"sweep"}), sort_keys=True, default=str)
-    return hashlib.sha256(resolved.encode()).hexdigest()
+    """SHA-256 of :func:`resolved`."""
+    return hashlib.sha256(json.dumps(resolved(cfg), sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -112,7 +116,7 @@ def differences(manifest: dict, cfg: ExperimentConfig) -> list[str]:
     out = [] if stored == fedtrust.__version__ else [f"fedtrust version: {stored} -> {fedtrust.__version__}"]
     if manifest.get("config_hash") == config_hash(cfg):
         return out
-    old, new = _flat(manifest.get("config") or {}), _flat(cfg.model_dump(mode="json", exclude={"sweep"}))
+    old, new = _flat(manifest.get("config") or {}), _flat(resolved(cfg))
     changed = [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}"
                for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]  # fmt: skip
     return out + (changed or ["its config hash differs (written by a fedtrust without one)"])
@@ -162,13 +166,11 @@ def run_experiment(
     redo, broken = _preflight(runs, root, force)
     datasets = _DatasetCache()
     outcomes: list[RunOutcome] = []
-    bar = _Progress(
-        progress, total=sum(c.train.rounds if c.train.mode != "one_round" else 1 for _, c in runs)
-    )
+    bar = _Progress(progress, total=sum(c.train.rounds_run for _, c in runs))
     with bar:
         for index, (label, run_cfg) in enumerate(runs):
             store = RunStore(root / label)
-            rounds = 1 if run_cfg.train.mode == "one_round" else run_cfg.train.rounds
+            rounds = run_cfg.train.rounds_run
             if label in broken:
                 bar.advance(rounds, label)
                 outcomes.append(RunOutcome(label, store.dir, "failed", error=broken[label]))
@@ -192,7 +194,7 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
         "index": index,
         "swept": swept,
         "seed": run_cfg.seed,
-        "config": run_cfg.model_dump(mode="json", exclude={"sweep"}),
+        "config": resolved(run_cfg),
         "config_hash": config_hash(run_cfg),
         "versions": versions(),
     }

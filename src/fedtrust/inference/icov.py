@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fedtrust.inference.result import InferenceResult, converged, resolve_tol, weight_change
+from fedtrust._checks import resolve_tol
+from fedtrust.inference.result import InferenceResult, WeightChanges, converged
 from fedtrust.inference.tasks import TaskGram, as_tasks, mean_noise, weighted_sums
 
 LOG2PI = math.log(2 * math.pi)
@@ -127,14 +128,12 @@ def icov_mle(
     all_mask = t.mask if past is None else torch.cat([t.mask, past.mask])
     total = float(all_mask.sum()) * k
     trace: list[float] = []
-    changes: list[float] = []
-    a = None
+    changes = WeightChanges()
     for it in range(1, max_iter + 1):
         with torch.no_grad():
-            previous, a = a, consensus_coefficients(_phi(theta), t.mask)
+            a = consensus_coefficients(_phi(theta), t.mask)
             s = gram.residual_gram(a, t.mask)
-        if previous is not None:
-            changes.append(weight_change(a, previous))
+        changes.add(a)
         all_s = s if past is None else torch.cat([s, past.gram])
         ll = _fit_covariance(theta, all_mask, all_s, k, total, steps)
         trace.append(ll / total)
@@ -151,7 +150,7 @@ def icov_mle(
         trace=trace,
         iterations=it,
         converged=converged(changes, tol),
-        changes=changes,
+        changes=list(changes),
         tol=tol,
         params=params,
         past=IcovMlePast(t.mask, s),
@@ -316,8 +315,7 @@ def icov_vb(
     active = seen > 0
     n_obs = float(seen.sum()) * k
     trace: list[float] = []
-    changes: list[float] = []
-    a = None
+    changes = WeightChanges()
     for it in range(1, max_iter + 1):
         w = m / s2  # (I, J): 1 / sigma_j^2 where source j reported on task i
         s_vec = w @ v  # (I, D): sum_j vbar_j / sigma_j^2
@@ -368,9 +366,8 @@ def icov_vb(
         # Algorithm 2, line 3: inverse-covariance weighting (eq 3) under the fitted model's covariance
         # Sigma = sigma_u^2 E[V V'] + diag(sigma_j^2), with E[v_j v_j'] = vbar_j vbar_j' + Psi_j.
         sigma = su2 * (v @ v.T + torch.diag(psi.diagonal(dim1=1, dim2=2).sum(1))) + torch.diag(s2)
-        previous, a = a, consensus_coefficients(sigma, t.mask)
-        if previous is not None:
-            changes.append(weight_change(a, previous))
+        a = consensus_coefficients(sigma, t.mask)
+        changes.add(a)
         if converged(changes, tol):
             break
     return InferenceResult(
@@ -380,7 +377,7 @@ def icov_vb(
         trace=trace,
         iterations=it,
         converged=converged(changes, tol),
-        changes=changes,
+        changes=list(changes),
         tol=tol,
         params={
             "V": v,

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fedtrust.inference.result import InferenceResult, converged, resolve_tol, weight_change
+from fedtrust._checks import resolve_tol
+from fedtrust.inference.result import InferenceResult, WeightChanges, converged
 from fedtrust.inference.tasks import TaskGram, TaskPasses, as_tasks, mean_noise, weighted_sums
 
 LOG2PI = math.log(2 * math.pi)
@@ -92,13 +93,11 @@ def ivar_mle(
     )  # fmt: skip
     count = m.sum(0) + past.count
     trace: list[float] = []
-    changes: list[float] = []
-    weights = None
+    changes = WeightChanges()
     for it in range(1, max_iter + 1):
-        previous, weights = weights, m / noise
+        weights = m / noise
         weights = weights / weights.sum(1, keepdim=True)
-        if previous is not None:
-            changes.append(weight_change(weights, previous))
+        changes.add(weights)
         r = gram.residuals(weights, m) / k
         update = (r.sum(0) + past.total) / count.clamp_min(1)
         noise = torch.where(count > 0, update.clamp_min(eps), noise)
@@ -115,7 +114,7 @@ def ivar_mle(
         trace=trace,
         iterations=it,
         converged=converged(changes, tol),
-        changes=changes,
+        changes=list(changes),
         tol=tol,
         past=IvarPast(r.sum(0), m.sum(0)),
     )
@@ -158,14 +157,12 @@ def ivar_vb(
     count = m.sum(0) + past.count
     tau_count = tasks + past.tau_count
     trace: list[float] = []
-    changes: list[float] = []
-    weights = None
+    changes = WeightChanges()
     for it in range(1, max_iter + 1):
         precision = m / noise
         lam = 1.0 / (1.0 / tau2 + precision.sum(1))  # (10)
-        previous, weights = weights, lam[:, None] * precision  # (11): ybar_i = sum_j weights_ij x_ij
-        if previous is not None:
-            changes.append(weight_change(weights, previous))
+        weights = lam[:, None] * precision  # (11): ybar_i = sum_j weights_ij x_ij
+        changes.add(weights)
         ysq = gram.sq_norm(weights) / k
         tau2 = float(((lam + ysq).sum() + past.tau_total) / tau_count)  # (12)
         r = gram.residuals(weights, m) / k
@@ -184,7 +181,7 @@ def ivar_vb(
         trace=trace,
         iterations=it,
         converged=converged(changes, tol),
-        changes=changes,
+        changes=list(changes),
         tol=tol,
         params={"tau2": tau2, "lambda": lam},
         past=IvarPast(spread, m.sum(0), float((lam + ysq).sum()), float(tasks)),

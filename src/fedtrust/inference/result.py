@@ -7,8 +7,6 @@ from typing import Any
 
 import torch
 
-from fedtrust._checks import check_float, stopping_tol
-
 
 @dataclass
 class InferenceResult:
@@ -46,12 +44,22 @@ class InferenceResult:
         return 1.0 / self.noise
 
 
-def weight_change(new: torch.Tensor, old: torch.Tensor | None) -> float | None:
-    """The largest absolute change of a weight between two iterations (None before the second). The
-    weights of a task sum to ~1 (ICOV's can be negative, VB's shrink), so an absolute change is
-    meaningful whatever the estimates' scale: a change of at most c moves task i's consensus by at most
-    c sum_j ||x_ij|| (by c sum_j ||x_ij - y_i|| where the weights keep summing to 1)."""
-    return None if old is None else float((new - old).abs().max())
+class WeightChanges(list):
+    """Per iteration from the second on, the largest absolute change of a weight since the iteration
+    before: what convergence is judged on. The weights of a task sum to ~1 (ICOV's can be negative, VB's
+    shrink), so an absolute change is meaningful whatever the estimates' scale: a change of at most c
+    moves task i's consensus by at most c sum_j ||x_ij|| (by c sum_j ||x_ij - y_i|| where the weights
+    keep summing to 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last: torch.Tensor | None = None
+
+    def add(self, weights: torch.Tensor) -> None:
+        """Record this iteration's weights (the change from the last ones, from the second call on)."""
+        if self._last is not None:
+            self.append(float((weights - self._last).abs().max()))
+        self._last = weights
 
 
 def converged(changes: list[float], tol: float) -> bool:
@@ -68,8 +76,3 @@ def converged(changes: list[float], tol: float) -> bool:
     if last == 0.0:
         return True
     return last < before and last * last / (before - last) <= tol  # c rho / (1 - rho), rho = last / before
-
-
-def resolve_tol(tol: float | None, dtype: torch.dtype) -> float:
-    """``tol``, or by default (None) :func:`~fedtrust._checks.stopping_tol` of the estimates' dtype."""
-    return stopping_tol(dtype) if tol is None else check_float("tol", tol, minimum=0.0)

@@ -72,8 +72,8 @@ class _WindowRule(BaseRule):
     def _history_spec(self) -> Spec:
         raise NotImplementedError
 
-    def _client_spec(self) -> Spec:
-        raise NotImplementedError
+    def _client_spec(self) -> Spec:  # IVAR: each client's noise variance sigma_j^2
+        return Fields({"noise": Float(positive=True)})
 
     def _shared_spec(self) -> Spec:
         return Fields()
@@ -173,9 +173,6 @@ class IvarMLE(_WindowRule):
     def _history_spec(self) -> Spec:
         return Dict(Float(minimum=0.0))  # client id -> its mean squared residual that round
 
-    def _client_spec(self) -> Spec:
-        return Fields({"noise": Float(positive=True)})
-
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
         ids = round.client_ids
         past = IvarPast(
@@ -201,9 +198,6 @@ class IvarVB(_WindowRule):
 
     def _history_spec(self) -> Spec:  # eq 13's and eq 12's sums that round
         return Fields({"clients": Dict(Float(minimum=0.0)), "tau": Float(minimum=0.0)})
-
-    def _client_spec(self) -> Spec:
-        return Fields({"noise": Float(positive=True)})
 
     def _shared_spec(self) -> Spec:
         return Fields(optional={"tau2": Float(positive=True)})

@@ -67,11 +67,11 @@ def _numeric_sweeps(runs: list[Run]) -> list[str]:
     ]
 
 
-def write_report(directory: str | Path, out: str | Path | None = None) -> Path:
+def write_report(directory: str | Path, out: str | Path | None = None, runs: list[Run] | None = None) -> Path:
     """Write ``report.md`` and its PNGs for every run under ``directory`` (into ``out``, default the same
-    folder). Returns the markdown path."""
+    folder); ``runs``: those runs when the caller has already loaded them. Returns the markdown path."""
     directory = Path(directory)
-    runs = load_runs(directory)
+    runs = load_runs(directory) if runs is None else runs
     if not runs:
         raise FileNotFoundError(f"no runs (manifest.json) under {directory}")
     out = Path(out) if out else directory

@@ -84,7 +84,7 @@ class Simulation:
 
     @property
     def rounds(self) -> int:
-        return 1 if self.settings.mode == "one_round" else self.settings.rounds
+        return self.settings.rounds_run
 
     # ------------------------------------------------------------------ one round
 
@@ -335,8 +335,8 @@ class Simulation:
                 done = state["round"]
                 break
             notes.append(fault)
-        if records or done:
-            store.keep_rounds_up_to(done)
+        if store.rounds_path.exists():  # also drops a damaged tail the records stopped at
+            store.write_rounds(records[:done])
         return records[:done], notes
 
     def _restore(self, path, state: dict[str, Any], readable: int) -> str | None:

@@ -47,3 +47,8 @@ class TrainSettings(BaseModel):
     )
     predictive_samples: int = Field(100, ge=2, description="weight sets drawn for omc")
     predictive_noise: bool = Field(False, description="add the data noise 1/beta to bootstrap/omc variances")
+
+    @property
+    def rounds_run(self) -> int:
+        """How many rounds a run has: ``rounds``, or one in one_round mode."""
+        return 1 if self.mode == "one_round" else self.rounds

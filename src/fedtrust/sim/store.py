@@ -162,12 +162,9 @@ class RunStore:
             raise CorruptFileError(f"{problem}; {START_OVER}")
         return records
 
-    def keep_rounds_up_to(self, last: int) -> None:
-        """Rewrite rounds.jsonl with the records of rounds 1..``last`` (which must be readable)."""
-        records, _ = self.read_rounds()
-        if len(records) < last:
-            raise CorruptFileError(f"{self.rounds_path} has {len(records)} readable rounds, needed {last}")
-        atomic_write(self.rounds_path, "".join(json.dumps(r) + "\n" for r in records[:last]))
+    def write_rounds(self, records: list[dict[str, Any]]) -> None:
+        """Replace rounds.jsonl by ``records`` (those of rounds 1..k that a resume keeps)."""
+        atomic_write(self.rounds_path, "".join(json.dumps(r) + "\n" for r in records))
 
     def append_round(self, record: dict[str, Any]) -> None:
         with open(self.rounds_path, "a") as fh:
