@@ -176,18 +176,8 @@ def infer(
         )
     Console(width=120).print(table)
     if not result.converged:
-        typer.echo(_not_converged(method, result), err=True)
+        typer.echo(f"warning: {result.warning} (--max-iter, --tol)", err=True)
     typer.echo(f"wrote {consensus_path} and {sources_path}")
-
-
-def _not_converged(method: str, result) -> str:
-    """The warning for an estimator stopped by its iteration limit: where it stood and what to change."""
-    last = f"{result.changes[-1]:.3g}" if result.changes else "unknown (one iteration)"
-    return (
-        f"warning: {method} stopped at its iteration limit ({result.iterations} iterations) without "
-        f"converging: the last iteration moved a weight by {last}, above tol {result.tol:.3g}. The results "
-        "are written but may still move; raise --max-iter or loosen --tol."
-    )
 
 
 @app.command()

@@ -144,6 +144,7 @@ def icov_mle(
         params = {"V": theta["V"].detach(), "sigma2": theta["log_noise"].detach().exp(),
                   "sigma_u2": float(theta["log_su2"].exp()), "Phi": phi}  # fmt: skip
     return InferenceResult(
+        estimator="icov_mle",
         consensus=weighted_sums(t, a),
         noise=phi.diagonal().clone(),
         weights=a,
@@ -371,6 +372,7 @@ def icov_vb(
         if converged(changes, tol):
             break
     return InferenceResult(
+        estimator="icov_vb",
         consensus=weighted_sums(t, a),
         noise=sigma.diagonal().clone(),
         weights=a,

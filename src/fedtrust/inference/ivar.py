@@ -108,6 +108,7 @@ def ivar_mle(
             break
     consensus = gram.combination if isinstance(gram, TaskPasses) else weighted_sums(t, weights)
     return InferenceResult(
+        estimator="ivar_mle",
         consensus=consensus,
         noise=noise,
         weights=weights,
@@ -175,6 +176,7 @@ def ivar_vb(
         if converged(changes, tol):
             break
     return InferenceResult(
+        estimator="ivar_vb",
         consensus=weighted_sums(t, weights),
         noise=noise,
         weights=weights,

@@ -25,6 +25,7 @@ class InferenceResult:
                 the estimates' dtype).
     params:     the other fitted quantities (tau2, V, sigma_u2, ...).
     past:       sufficient statistics of these tasks, for a later call's ``past=`` (streaming use).
+    estimator:  the estimator's name ("ivar_mle", ...), for messages.
     """
 
     consensus: torch.Tensor
@@ -37,6 +38,20 @@ class InferenceResult:
     tol: float = 0.0
     params: dict[str, Any] = field(default_factory=dict)
     past: Any = None
+    estimator: str = "estimator"
+
+    @property
+    def warning(self) -> str | None:
+        """None when converged; else what a user must read: the estimator stopped at its iteration
+        limit, how far its weights still moved, and what to change."""
+        if self.converged:
+            return None
+        last = f"{self.changes[-1]:.3g}" if self.changes else "unknown (one iteration)"
+        return (
+            f"{self.estimator} stopped at its iteration limit ({self.iterations} iterations) without "
+            f"converging: the last iteration moved a weight by {last}, above tol {self.tol:.3g}. The "
+            "results may still move; raise max_iter or loosen tol."
+        )
 
     @property
     def reliability(self) -> torch.Tensor:
