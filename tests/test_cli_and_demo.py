@@ -184,7 +184,8 @@ def test_infer_that_stops_at_max_iter_warns_with_the_remedy_and_still_writes(tmp
     assert result.exit_code == 0 and out.exists(), result.output
     assert re.search(
         r"warning: ivar_mle stopped at its iteration limit \(2 iterations\) without converging: the last "
-        r"iteration moved a weight by [0-9.e-]+, above tol 1.42e-14\..*raise max_iter or loosen tol \(--max-iter, --tol\)",
+        r"iteration moved a weight by [0-9.e-]+, above tol 1.42e-14\..*raise max_iter or loosen tol\. "
+        r"\(--max-iter, --tol\)",
         " ".join(result.stderr.split()),
     ), result.stderr
     assert "warning" not in result.stdout
