@@ -9,8 +9,8 @@ Useful on its own (crowdsourced predictions, sensor fusion) and the engine of th
 
 from fedtrust.inference.icov import icov_mle, icov_vb
 from fedtrust.inference.ivar import ivar_mle, ivar_vb
-from fedtrust.inference.result import InferenceResult
+from fedtrust.inference.result import ConvergenceWarning, InferenceResult
 
 METHODS = {"ivar_mle": ivar_mle, "ivar_vb": ivar_vb, "icov_mle": icov_mle, "icov_vb": icov_vb}
 
-__all__ = ["METHODS", "InferenceResult", "icov_mle", "icov_vb", "ivar_mle", "ivar_vb"]
+__all__ = ["METHODS", "ConvergenceWarning", "InferenceResult", "icov_mle", "icov_vb", "ivar_mle", "ivar_vb"]

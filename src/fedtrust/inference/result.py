@@ -8,6 +8,11 @@ from typing import Any
 import torch
 
 
+class ConvergenceWarning(UserWarning):
+    """An estimator stopped at its iteration limit before its weights converged (the message is
+    :attr:`InferenceResult.warning`: by how much they still moved, and what to change)."""
+
+
 @dataclass
 class InferenceResult:
     """consensus:  (I, K) the inferred ground truth of each task (a posterior mean for the VB methods).

@@ -12,6 +12,7 @@ client) the weights are their positive part normalised, and the exact coefficien
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -36,6 +37,7 @@ from fedtrust.aggregators.state import (
 )
 from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, latent_init
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
+from fedtrust.inference.result import ConvergenceWarning
 from fedtrust.inference.tasks import Tasks
 
 PAPER = "Nguyen, Lim, Wynter, Cai 2021, Probabilistic Inference for Learning from Untrusted Sources"
@@ -125,10 +127,24 @@ class _WindowRule(BaseRule):
         return f" (update norms {float(norms.min()):.3g} to {float(norms.max()):.3g})" + tail
 
     def _finish(self, round: Round, result, extra_info: dict) -> Aggregate:
+        """The round's aggregate, trust and info. A fit that stopped at ``max_iter`` before converging
+        puts :attr:`InferenceResult.warning` in ``info["warning"]`` (so a simulation's round record keeps
+        it) and, the first time for this rule object, raises it as a :class:`ConvergenceWarning`: its text
+        changes every round, so warnings' once-per-location filter alone would repeat it each round."""
         coefficients = result.weights[0]
+        warning = result.warning
+        if warning is not None and not self.__dict__.get("_warned_convergence", False):
+            self._warned_convergence = True
+            warnings.warn(
+                f"{warning} Every round of this rule that stops early records it in info['warning']; "
+                "this warning is not repeated.",
+                ConvergenceWarning,
+                stacklevel=2,
+            )
         info = {
             "iterations": result.iterations,
             "converged": result.converged,
+            **({} if warning is None else {"warning": warning}),
             "objective": result.trace[-1],
             "trace": result.trace,
             "coefficient_sum": float(coefficients.sum()),

@@ -1,0 +1,61 @@
+"""Issue 17: an estimator that stops at max_iter before converging says so wherever a user looks: the
+rule's info and a ConvergenceWarning (once per rule, not once per round), and robust FedAG's info."""
+
+import warnings
+
+import pytest
+import torch
+
+from fedtrust import Round, rule
+from fedtrust.inference import ConvergenceWarning
+
+ESTIMATORS = ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"]
+
+
+def noisy_round(seed: int = 0) -> Round:
+    """Eight clients estimating one 40-vector, from very good to bad."""
+    g = torch.Generator().manual_seed(seed)
+    truth = torch.randn(40, generator=g)
+    scales = torch.tensor([0.1, 0.1, 0.2, 0.2, 0.3, 1.0, 2.0, 3.0])
+    return Round(updates=truth + torch.randn(8, 40, generator=g) * scales[:, None])
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_a_rule_stopped_at_max_iter_puts_the_warning_in_info_and_warns_once(name):
+    r = rule(name, max_iter=1)
+    with pytest.warns(ConvergenceWarning) as caught:
+        outs = [r(noisy_round(seed)) for seed in range(3)]
+    ours = [w for w in caught if issubclass(w.category, ConvergenceWarning)]
+    assert len(ours) == 1  # one per rule object, not one per round: a simulation is not flooded
+    assert str(ours[0].message).startswith(f"{name} stopped at its iteration limit (1 iterations)")
+    assert "raise max_iter or loosen tol" in str(ours[0].message)
+    for out in outs:  # every round keeps its own
+        assert out.info["converged"] is False and out.info["iterations"] == 1
+        assert out.info["warning"].startswith(f"{name} stopped at its iteration limit (1 iterations)")
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_a_rule_that_converges_neither_warns_nor_records_a_warning(name):
+    r = rule(name, tol=1e-3)  # (the budget each needs on this round; icov_vb needs the looser tol)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        out = r(noisy_round())
+    assert out.info["converged"] is True and "warning" not in out.info
+
+
+def test_the_warning_does_not_change_the_result():
+    quiet, stopped = rule("ivar_vb", max_iter=1), rule("ivar_vb", max_iter=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        a = quiet(noisy_round())
+    with pytest.warns(ConvergenceWarning):
+        b = stopped(noisy_round())
+    assert torch.equal(a.vector, b.vector) and torch.equal(a.weights, b.weights)
+
+
+def test_robust_fedag_passes_its_base_rules_warning_through():
+    with pytest.warns(ConvergenceWarning, match="ivar_vb stopped at its iteration limit"):
+        out = rule("fedag", base="ivar_vb", base_options={"max_iter": 1})(noisy_round())
+    assert out.info["converged"] is False
+    assert out.info["warning"].startswith("ivar_vb stopped at its iteration limit (1 iterations)")
+    assert "posterior_var" in out.info
