@@ -1,6 +1,7 @@
 """The Flower strategy driven by an in-process grid: every rule on the Message API, robust to bad replies."""
 
 import itertools
+import json
 import math
 
 import numpy as np
@@ -274,6 +275,26 @@ def test_a_round_where_every_reply_is_quarantined_keeps_the_model_and_logs_why(c
     )
     assert "non-finite" in errors[0]
     assert "no update applied, the global model stays" in caplog.text
+
+
+def test_a_rule_whose_estimator_stops_at_max_iter_logs_it_each_round_and_keeps_it_in_history(
+    caplog, tmp_path
+):
+    from fedtrust.inference import ConvergenceWarning
+
+    strategy = TrustStrategy(rule="ivar_vb", rule_options={"max_iter": 1}, fraction_evaluate=0.0,
+                             min_available_nodes=4, history_path=tmp_path / "h.jsonl")  # fmt: skip
+    with caplog.at_level("WARNING"), pytest.warns(ConvergenceWarning):
+        run(strategy, federation(), rounds=2)
+    for t in (1, 2):
+        assert f"round {t}: ivar_vb stopped at its iteration limit (1 iterations)" in caplog.text
+    written = [json.loads(line) for line in (tmp_path / "h.jsonl").read_text().splitlines()]
+    for record in (*strategy.history, *written):
+        assert record["warning"].startswith("ivar_vb stopped at its iteration limit (1 iterations)")
+    quiet = TrustStrategy(rule="ivar_vb", rule_options={"tol": 1e-3}, fraction_evaluate=0.0,
+                          min_available_nodes=4)  # fmt: skip
+    run(quiet, federation(), rounds=1)
+    assert "warning" not in quiet.history[0]
 
 
 def test_state_files_cannot_run_code_and_a_damaged_one_is_named(tmp_path):

@@ -42,7 +42,8 @@ class TrustStrategy(FedAvg):
     non-finite) keeps the previous model, returned again so that Flower's result holds it, and logs why.
 
     The returned MetricRecord carries the clients' averaged train metrics and, aligned lists,
-    ``trust-node-ids`` / ``trust``. ``history`` keeps every round's trust, drops and quarantines;
+    ``trust-node-ids`` / ``trust``. ``history`` keeps every round's trust, drops and quarantines, and
+    the rule's ``warning`` when its estimator stopped before converging (also logged each round);
     ``history_path`` appends it as JSON lines, ``state_path`` saves the rule's state after each round
     and restores it at start (a restarted server keeps the reputations). Rules with an ``observe`` hook
     (ARFL) get every node's train_loss at the initial model through a QUERY round first. For FedAG the
@@ -229,6 +230,10 @@ class TrustStrategy(FedAvg):
         )
         record["trust"] = {str(n): w for n, w in zip(nodes, weights, strict=True)}
         record["quarantined"] = {str(k): v for k, v in quarantined.items()}
+        warning = out.info.get("warning")  # the rule's estimator stopped at max_iter before converging
+        if warning is not None:
+            record["warning"] = warning
+            log(WARNING, "aggregate_train: round %d: %s", server_round, warning)
         self._finish(record, metrics, None)
         return self.layout.unflatten(vector), MetricRecord(metrics)
 
