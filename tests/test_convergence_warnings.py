@@ -1,13 +1,18 @@
 """Issue 17: an estimator that stops at max_iter before converging says so wherever a user looks: the
-rule's info and a ConvergenceWarning (once per rule, not once per round), and robust FedAG's info."""
+rule's info and a ConvergenceWarning (once per rule, not once per round), robust FedAG's info, the round
+records of a simulation, and its report. (The Flower strategy's log: tests/test_flower.py.)"""
 
+import json
 import warnings
 
 import pytest
+import runs
 import torch
 
 from fedtrust import Round, rule
+from fedtrust.experiments.runner import run_experiment
 from fedtrust.inference import ConvergenceWarning
+from fedtrust.report import load_runs, write_report
 
 ESTIMATORS = ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"]
 
@@ -59,3 +64,42 @@ def test_robust_fedag_passes_its_base_rules_warning_through():
     assert out.info["converged"] is False
     assert out.info["warning"].startswith("ivar_vb stopped at its iteration limit (1 iterations)")
     assert "posterior_var" in out.info
+
+
+def digits_runs(out, rounds: int, *rules: dict) -> None:
+    """A sweep over ``rules``, six IID digits clients, written under ``out / "t"``."""
+    spec = {"name": "t", "data": {"name": "digits", "clients": 6}, "train": {"rounds": rounds, "lr": 0.5}}
+    run_experiment(runs.config({**spec, "sweep": {"rule": list(rules)}}), out, progress=False)
+
+
+def test_a_simulation_keeps_the_warning_in_its_rounds_and_the_report_counts_the_rounds(tmp_path):
+    with pytest.warns(ConvergenceWarning) as caught:
+        digits_runs(tmp_path, 3, {"name": "ivar_vb", "max_iter": 1}, {"name": "ivar_vb", "max_iter": 500})
+    assert sum(issubclass(w.category, ConvergenceWarning) for w in caught) == 1  # 3 rounds, one warning
+    stopped, enough = (tmp_path / "t" / f"rule=ivar_vb(max_iter={k})" for k in (1, 500))
+    records = [json.loads(line) for line in (stopped / "rounds.jsonl").read_text().splitlines()]
+    assert len(records) == 3
+    for r in records:
+        assert r["info"]["converged"] is False and r["info"]["iterations"] == 1
+        assert r["info"]["warning"].startswith("ivar_vb stopped at its iteration limit (1 iterations)")
+    assert all("warning" not in json.loads(line)["info"] for line in (enough / "rounds.jsonl").open())
+
+    loaded = load_runs(tmp_path / "t")
+    assert {r.rule: r.unconverged() for r in loaded} == {
+        "ivar_vb(max_iter=1)": (3, 3),
+        "ivar_vb(max_iter=500)": (0, 3),
+    }
+    text = write_report(tmp_path / "t", runs=loaded).read_text()
+    assert "Some rounds stopped at max_iter without converging (listed below)." in text
+    assert "## Rounds that stopped at max_iter without converging" in text
+    assert (
+        "- ivar_vb(max_iter=1), t: 3 of 3 rounds stopped at max_iter "
+        "(see rule=ivar_vb(max_iter=1)/rounds.jsonl)"
+    ) in text
+    assert "- ivar_vb(max_iter=500)" not in text  # a rule whose rounds all converged is not listed
+
+
+def test_a_report_whose_rounds_all_converged_says_nothing_about_convergence(tmp_path):
+    digits_runs(tmp_path, 2, {"name": "ivar_mle"})
+    text = write_report(tmp_path / "t").read_text()
+    assert "max_iter" not in text and "converg" not in text

@@ -67,6 +67,37 @@ def _numeric_sweeps(runs: list[Run]) -> list[str]:
     ]
 
 
+def _unconverged(runs: list[Run]) -> list[str]:
+    """A section listing, per rule and setting and then per run, the rounds whose fit stopped at max_iter
+    without converging; nothing when there are none."""
+    counted = [(r, *r.unconverged()) for r in runs if r.status in ("finished", "failed")]
+    if not any(k for _, k, _ in counted):
+        return []
+    lines = [
+        "## Rounds that stopped at max_iter without converging",
+        "",
+        "In these rounds the rule's iterative fit (an IVAR/ICOV estimator, the geometric median's Weiszfeld "
+        "steps) used its whole iteration budget: the aggregate and the trust may still have been moving. "
+        "Each such round says so in its `info` in the run's rounds.jsonl (`converged: false`; for IVAR/ICOV "
+        "`warning`: how far the weights still moved). Raise the rule's max_iter or loosen its tol (for fedag, "
+        "in its base_options).",
+        "",
+    ]
+    cells: dict[tuple[str, str], list] = {}
+    for r, k, of in counted:
+        cells.setdefault((r.rule, r.setting), []).append((r, k, of))
+    for (rule, setting), mine in cells.items():
+        k, of = sum(m[1] for m in mine), sum(m[2] for m in mine)
+        if k:
+            where = (
+                f"see {mine[0][0].directory.name}/rounds.jsonl"
+                if len(mine) == 1
+                else "runs " + ", ".join(f"{r.directory.name}: {n} of {m}" for r, n, m in mine if n)
+            )
+            lines.append(f"- {rule}, {setting}: {k} of {of} rounds stopped at max_iter ({where})")
+    return lines + [""]
+
+
 def write_report(directory: str | Path, out: str | Path | None = None, runs: list[Run] | None = None) -> Path:
     """Write ``report.md`` and its PNGs for every run under ``directory`` (into ``out``, default the same
     folder); ``runs``: those runs when the caller has already loaded them. Returns the markdown path."""
@@ -81,12 +112,14 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
     seeds = sorted({r.seed for r in runs if r.manifest})
     counts = Counter(r.status for r in runs)
     statuses = [f"{counts[k]} {k}" for k in ("finished", "failed", "running", "unreadable") if counts[k]]
+    unconverged = _unconverged(runs)
     lines = [
         f"# Report: {directory.name}",
         "",
         f"{len(runs)} runs ({', '.join(statuses)}); "
         f"seeds {seeds}. Cells: mean ± sd over the seeds of finished runs; failed runs are counted, not "
-        "averaged in, and never plotted.",
+        "averaged in, and never plotted."
+        + (" Some rounds stopped at max_iter without converging (listed below)." if unconverged else ""),
         "",
         f"## Final test {metric}" + (" (higher is better)" if metric == "accuracy" else " (lower is better)"),
         "",
@@ -107,6 +140,7 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
         "",
         *_markdown_table(*table(runs, Run.corrupted_weight), "rule"),
         "",
+        *unconverged,
     ]
     for status, title in (
         ("failed", "Failed runs"),

@@ -108,6 +108,13 @@ class Run:
     def errors(self) -> int:
         return sum(1 for r in self.rounds if r.get("error"))
 
+    def unconverged(self) -> tuple[int, int]:
+        """(rounds whose iterative fit stopped at max_iter without converging, rounds with such a fit):
+        read from each round's ``info["converged"]`` (IVAR/ICOV rules and robust FedAG over them, whose
+        ``info["warning"]`` says how far the fit still moved; the geometric median's Weiszfeld steps)."""
+        fits = [r["info"]["converged"] for r in self.rounds if "converged" in (r.get("info") or {})]
+        return sum(c is False for c in fits), len(fits)
+
 
 def is_replicate(path: str) -> bool:
     """Swept seeds (the run's, a dataset's) make replicates of one setting, not settings."""
