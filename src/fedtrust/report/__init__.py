@@ -79,8 +79,8 @@ def _unconverged(runs: list[Run]) -> list[str]:
         "In these rounds the rule's iterative fit (an IVAR/ICOV estimator, the geometric median's Weiszfeld "
         "steps) used its whole iteration budget: the aggregate and the trust may still have been moving. "
         "Each such round says so in its `info` in the run's rounds.jsonl (`converged: false`; for IVAR/ICOV "
-        "`warning`: how far the weights still moved). Raise the rule's max_iter or loosen its tol (for fedag, "
-        "in its base_options).",
+        "`warning`: how far the weights still moved). Raise the rule's max_iter or loosen its tol (for "
+        "fedag, in its base_options).",
         "",
     ]
     cells: dict[tuple[str, str], list] = {}
