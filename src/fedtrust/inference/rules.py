@@ -145,6 +145,7 @@ class _WindowRule(BaseRule):
             "iterations": result.iterations,
             "converged": result.converged,
             **({} if warning is None else {"warning": warning}),
+            **({"degenerate": result.params["degenerate"]} if "degenerate" in result.params else {}),
             "objective": result.trace[-1],
             "trace": result.trace,
             "coefficient_sum": float(coefficients.sum()),
@@ -176,13 +177,14 @@ class IvarMLE(_WindowRule):
     window. Options: window (rounds, this one included), eps (floor on sigma_j^2), max_iter, tol (on the
     weights' change; None: derived from the updates' dtype).
 
-    The likelihood is unbounded (a client matching the consensus exactly has sigma_j -> 0): the iteration
-    settles when several clients share the best noise level and otherwise collapses onto one, with eps
-    keeping its weight finite. IVAR-VB does not collapse."""
+    The likelihood is unbounded (a client matching the consensus exactly has sigma_j -> 0): eqs 6-7
+    settle when several clients share the best noise level and otherwise collapse onto one. eps is the
+    floor relative to the round's scale at which that is detected; the round is then estimated with the
+    flat-prior correction (:func:`~fedtrust.inference.ivar.ivar_mle`) and ``info["degenerate"]`` says so."""
 
     name = "ivar_mle"
 
-    def __init__(self, window: int = 10, eps: float = 1e-12, max_iter: int = 100, tol: float | None = None):
+    def __init__(self, window: int = 10, eps: float = 1e-12, max_iter: int = 200, tol: float | None = None):
         super().__init__(window, max_iter, tol)
         self.eps = check_float(f"{self.name}: eps", eps, minimum=0.0, strict_min=True)
 
