@@ -128,6 +128,9 @@ def main() -> None:
     for label, rule in variants(args.rules):
         cells = []
         for attack in args.attacks:
+            if attack == "absent" and rule.get("sybils") == "off":
+                cells.append("(as share: no copies)")
+                continue
             results = [
                 final_accuracy(config(rule, attack, s, args.rounds), absent=attack == "absent")
                 for s in range(args.seeds)
