@@ -9,7 +9,9 @@ corrupted with
 - ``mimic``: every corrupted client sends a copy of one benign client's update (Karimireddy et al. 2022),
   the first benign one (``target=0``; the attack's default, the client furthest along the benign
   updates' top variance direction chosen afresh each round, moves between clients and hurts less here);
-- ``ipm3``: every corrupted client sends -3 x the benign mean (inner-product manipulation, epsilon = 3).
+- ``ipm3``: every corrupted client sends -3 x the benign mean (inner-product manipulation, epsilon = 3);
+- ``absent``: the corrupted clients' updates left out of every round (the same runs otherwise): what the
+  rule reaches on the 70% honest clients alone, the most a defence can hope for.
 
 Rules that take ``sybils`` run twice: ``sybils="off"`` (each client its own source, the behaviour
 before issue 17) and the default ``sybils="share"`` (a group of near-duplicate updates shares one vote).
@@ -26,7 +28,9 @@ import statistics
 import time
 from pathlib import Path
 
-from fedtrust.aggregators import rule_options
+import torch
+
+from fedtrust.aggregators import Aggregate, rule_options
 from fedtrust.experiments.config import validate
 from fedtrust.experiments.runner import build_simulation
 
@@ -36,6 +40,7 @@ ATTACKS = {
     "clean": {"name": "none"},
     "mimic": {"name": "mimic", "target": 0},
     "ipm3": {"name": "ipm", "epsilon": 3.0},
+    "absent": {"name": "mimic", "target": 0},  # run with the corrupted clients left out
 }
 
 
@@ -69,10 +74,27 @@ def variants(names: list[str]) -> list[tuple[str, dict]]:
     return out
 
 
-def final_accuracy(cfg: dict) -> tuple[float, int] | str:
+def without_corrupted(sim):
+    """Leave the corrupted clients' updates out of every round of ``sim``."""
+    inner = sim.rule
+    bad = {i for i, b in zip(sim.fed.ids, sim.fed.corrupted.tolist(), strict=True) if b}
+
+    def rule(round):
+        keep = [k for k, i in enumerate(round.client_ids) if i not in bad]
+        out = inner(round.select(keep))
+        weights = torch.zeros(round.n, dtype=out.weights.dtype)
+        weights[keep] = out.weights
+        return Aggregate(out.vector, weights, out.info)
+
+    sim.rule = rule
+    return sim
+
+
+def final_accuracy(cfg: dict, absent: bool = False) -> tuple[float, int] | str:
     """(final accuracy, rounds the rule refused), or the exception's name."""
     try:
-        records = build_simulation(validate(cfg)).run()
+        sim = build_simulation(validate(cfg))
+        records = (without_corrupted(sim) if absent else sim).run()
     except Exception as exc:  # noqa: BLE001 - a crash is a result here
         return f"{type(exc).__name__}"
     return records[-1]["metrics"]["accuracy"], sum(r["error"] is not None for r in records)
@@ -106,7 +128,13 @@ def main() -> None:
     for label, rule in variants(args.rules):
         cells = []
         for attack in args.attacks:
-            results = [final_accuracy(config(rule, attack, s, args.rounds)) for s in range(args.seeds)]
+            if attack == "absent" and rule.get("sybils") == "off":
+                cells.append("(as share: no copies)")
+                continue
+            results = [
+                final_accuracy(config(rule, attack, s, args.rounds), absent=attack == "absent")
+                for s in range(args.seeds)
+            ]
             cells.append(cell(results))
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
