@@ -51,11 +51,18 @@ class InferenceResult:
         limit, how far its weights still moved, and what to change."""
         if self.converged:
             return None
-        last = f"{self.changes[-1]:.3g}" if self.changes else "unknown (one iteration)"
+        if not self.changes:
+            moved = "the first iteration's change is unknown"
+        elif self.changes[-1] > self.tol:
+            moved = f"the last iteration moved a weight by {self.changes[-1]:.3g}, above tol {self.tol:.3g}"
+        else:  # within tol, but shrinking too slowly for the rest of the way to be (see converged)
+            moved = (
+                f"the last iteration moved a weight by {self.changes[-1]:.3g}, within tol {self.tol:.3g}, "
+                "but too slowly shrinking changes leave the rest of the way to the fixed point above it"
+            )
         return (
             f"{self.estimator} stopped at its iteration limit ({self.iterations} iterations) without "
-            f"converging: the last iteration moved a weight by {last}, above tol {self.tol:.3g}. The "
-            "results may still move; raise max_iter or loosen tol."
+            f"converging: {moved}. The results may still move; raise max_iter or loosen tol."
         )
 
     @property

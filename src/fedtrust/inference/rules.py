@@ -150,6 +150,7 @@ class _WindowRule(BaseRule):
         self._history: deque = deque(maxlen=self.window - 1)
         self._clients: dict[Any, dict[str, Any]] = {}  # client id -> its persistent estimates
         self._shared: dict[str, Any] = {}  # global estimates (ICOV hyper-parameters)
+        self._warned_convergence = False  # a ConvergenceWarning is raised once per rule object
 
     def _fit(self, round: Round, estimator, **options):
         """Run ``estimator`` on the round as one task. A fit that breaks down (a singular system, a
@@ -234,7 +235,7 @@ class _WindowRule(BaseRule):
         changes every round, so warnings' once-per-location filter alone would repeat it each round."""
         coefficients = result.weights[0]
         warning = result.warning
-        if warning is not None and not self.__dict__.get("_warned_convergence", False):
+        if warning is not None and not self._warned_convergence:
             self._warned_convergence = True
             warnings.warn(
                 f"{warning} Every round of this rule that stops early records it in info['warning']; "
