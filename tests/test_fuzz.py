@@ -266,7 +266,23 @@ def test_a_learnt_state_with_one_entry_spoilt_is_refused_or_harmless(name, data)
     accepts_then_aggregates(name, agg, spoilt)
 
 
-@pytest.mark.parametrize("name, n, d", [("icov_mle", 2, 1), ("icov_vb", 1, 3)])
+@pytest.mark.parametrize("n, d", [(1, 3), (2, 1), (3, 2)])
+def test_icov_mle_fits_updates_of_1e38_after_updates_of_1e_3(n, d):
+    """ICOV-MLE's restricted likelihood depends on the updates only through their contrasts (no
+    consensus in it), and its quasi-Newton fit works on log-variances: a jump of 41 orders of magnitude
+    is an ordinary round for it (it broke down on the joint likelihood)."""
+    g = torch.Generator().manual_seed(0)
+    small = Round(updates=torch.randn(n, d, generator=g, dtype=torch.float64) * 1e-3)
+    huge = Round(updates=torch.randn(n, d, generator=g, dtype=torch.float64) * 1e38)
+    a = rule("icov_mle")
+    a(small)
+    out = a(huge)
+    assert "fallback" not in out.info and out.info["converged"]
+    assert torch.isfinite(out.vector).all() and out.weights.sum().item() == pytest.approx(1.0)
+    assert out.vector.abs().max().item() <= huge.updates.abs().max().item() * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("name, n, d", [("icov_vb", 1, 3)])
 def test_a_fit_that_breaks_down_is_a_clear_error_and_leaves_the_state_as_it_was(name, n, d):
     """Updates of 1e38 after a round of 1e-3 pass the front door (float64 holds their norms) but break
     ICOV's fit (a singular system): the rule fits the round with IVAR instead (ICOV without its
