@@ -54,6 +54,20 @@ def test_ipm_sends_minus_epsilon_times_the_benign_mean():
     torch.testing.assert_close(attack("ipm", epsilon=0.5)(ctx), (-0.5 * ctx.benign.mean(0)).expand(3, -1))
 
 
+def test_mimic_copies_the_benign_client_furthest_along_the_top_variance_direction():
+    ctx = context(n=10, bad=3, d=6)
+    benign = ctx.benign
+    centred = benign - benign.mean(0)
+    z = torch.linalg.svd(centred.double(), full_matrices=False).Vh[0]  # the paper's direction, by SVD
+    star = int((centred.double() @ z).abs().argmax())
+    sent = attack("mimic")(ctx)
+    assert torch.equal(sent, benign[star].expand(3, -1))  # an exact copy, the same for every attacker
+    assert torch.equal(attack("mimic", target=2)(ctx), benign[2].expand(3, -1))
+    assert torch.equal(attack("mimic", target=9)(ctx), benign[9 % 7].expand(3, -1))
+    with pytest.raises(ValueError, match="attack mimic: target must be one of 'variance'; got 'max'"):
+        attack("mimic", target="max")
+
+
 def test_crash_sends_non_finite_values():
     assert torch.isnan(attack("crash")(context())).all()
     assert torch.isinf(attack("crash", value=float("inf"))(context())).all()

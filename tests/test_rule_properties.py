@@ -69,7 +69,14 @@ def test_weights_are_a_distribution(name, seed):
 
 # ICOV-MLE climbs a nearly flat likelihood by quasi-Newton steps: reordering the clients changes float
 # rounding along the way and the stopping point moves by up to ~1e-4 on N(0, 1) inputs.
-PERMUTATION_TOL = {"icov_mle": 1e-3}
+# IVAR-MLE on these 7-coordinate rounds often reaches its degenerate solution (info["degenerate"]); the
+# flat-prior likelihood it switches to is bounded but, with so few coordinates per source, can peak on the
+# boundary (one source's variance 0), which the iteration approaches only linearly: where it stops (at
+# max_iter, reported) moves by up to ~1e-5 with the order. Real rounds have thousands of coordinates.
+# IVAR-VB on them fits a prior variance tau^2 near 0 (their truth is 0), the same kind of boundary; SQUAREM's
+# accept-or-reject test of a jump flips with the rounding, so the path, and where it stops, moves as much.
+# On well-posed rounds both are order-free to rounding (the test after this one).
+PERMUTATION_TOL = {"icov_mle": 1e-3, "ivar_mle": 1e-4, "ivar_vb": 1e-4}
 
 
 @pytest.mark.parametrize("name", available())
@@ -82,6 +89,21 @@ def test_permutation_invariance(name, seed):
     tol = PERMUTATION_TOL.get(name, 1e-9)
     torch.testing.assert_close(b.vector, a.vector, rtol=tol, atol=tol)
     torch.testing.assert_close(b.weights, a.weights[perm], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", ["ivar_mle", "ivar_vb"])
+@given(seed=seeds)
+def test_permutation_invariance_to_rounding_on_a_well_posed_round(name, seed):
+    """A truth away from 0 and 200 coordinates: no estimate on a boundary, the fixed point is unique."""
+    g = torch.Generator().manual_seed(seed)
+    truth = 1 + torch.randn(200, generator=g, dtype=torch.float64)
+    sd = 0.1 + torch.rand(11, 1, generator=g, dtype=torch.float64)
+    r = Round(updates=truth + sd * torch.randn(11, 200, generator=g, dtype=torch.float64))
+    perm = torch.randperm(r.n, generator=torch.Generator().manual_seed(seed))
+    a, b = make(name)(r), make(name)(r.select(perm))
+    assert a.info["converged"] and b.info["converged"]
+    torch.testing.assert_close(b.vector, a.vector, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(b.weights, a.weights[perm], rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("name", EQUIVARIANT)

@@ -72,6 +72,14 @@ class ARFL(BaseRule):
 
     ``observe`` takes the losses of all clients at the initial model (Algorithm 1, line 1).
     ``info``: p, the objective (eq 6), lambda, and per client alpha and the loss used.
+
+    Identical updates buy no trust here, so ARFL has no ``sybils`` option (unlike IVAR/ICOV and FOCUS,
+    :mod:`fedtrust.aggregators.sybils`): alpha_i is a function of the reported losses and counts only
+    (Theorem 4.3) and never reads an update, so a copy's alpha is what its sender's loss earns whether or
+    not others sent the same vector. k colluders still get k clients' alphas, as under FedAvg: ARFL's
+    model is data corruption by non-colluding clients (section 3.2, assumption 1; section 6 names
+    colluding corruptions and attacks on the parameters as out of scope), and a parameter attack with
+    honest loss reports (IPM) passes it, copies or not.
     """
 
     name = "arfl"

@@ -14,6 +14,7 @@ from fedtrust.aggregators.kernels import weighted_sum
 from fedtrust.aggregators.mean import normalised
 from fedtrust.aggregators.reports import DEFENCES, defend, reference_losses
 from fedtrust.aggregators.state import Dict, Fields, Float, check_state
+from fedtrust.aggregators.sybils import Groups, find_groups
 
 #: Each client's latest benchmark loss LS (eq 4), by id; +inf where it could not be measured.
 STATE = Fields(optional={"ls": Dict(Float(infinite=True))})
@@ -53,16 +54,27 @@ class FOCUS(BaseRule):
     is 0 the weights fall back to n_k / sum n (every credibility 0: a single known client), then to the
     credibilities alone (every count 0), then to 1/n; a benchmark loss that is not finite counts as +inf
     (see :func:`credibility`). ``info``: per client credibility, E, LS and LL.
+
+    sybils:    "share" (default): clients whose updates this round are near-duplicates
+               (:mod:`fedtrust.aggregators.sybils`) are one source. Eq 6 normalises over sources, so k
+               copies of one bad model would split the softmax mass that suppresses it and each keep a
+               credibility of 1 - 1/k: identical updates would buy trust by their number. The group enters
+               eq 6 once, with its members' mean E, and eq 8 once, with their mean count; its weight is
+               split evenly among them (``info["groups"]``). "off": every client its own source (the
+               paper).
     """
 
     name = "focus"
     paper = "Chen et al. 2020, FOCUS: Dealing with Label Quality Disparity in Federated Learning"
     requires = ("train_loss",)
 
-    def __init__(self, alpha: float = 1.0, reduction: str = "sum", defence: str = "none"):
+    def __init__(
+        self, alpha: float = 1.0, reduction: str = "sum", defence: str = "none", sybils: str = "share"
+    ):
         self.alpha = check_float(f"{self.name}: alpha", alpha, minimum=0.0)
         self.reduction = check_choice(f"{self.name}: reduction", reduction, ("sum", "mean"))
         self.defence = check_choice(f"{self.name}: defence", defence, DEFENCES)
+        self.sybils = check_choice(f"{self.name}: sybils", sybils, ("share", "off"))
         self._ls: dict[Any, float] = {}
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
@@ -78,16 +90,21 @@ class FOCUS(BaseRule):
             [self._ls.get(cid, float("nan")) for cid in round.client_ids], dtype=torch.float64
         )
         e = ls_prev + ll
-        cred = torch.ones(round.n, dtype=torch.float64)
-        if known.any():
-            cred[known] = credibility(e[known], self.alpha)
-            cred[~known] = cred[known].mean()
-        w = n * cred
-        for fallback in (n, cred, torch.ones_like(cred)):  # every count or every credibility is 0
+        groups = find_groups(round) if self.sybils == "share" else Groups.singletons(round.n)
+        # one source per group: its members' mean E (over those known) and mean count
+        e_g, n_g = groups.pool(torch.where(known, e, math.nan)), groups.pool(n)
+        known_g = ~torch.isnan(e_g) if not groups.trivial else known
+        cred_g = torch.ones(groups.count, dtype=torch.float64)
+        if known_g.any():
+            cred_g[known_g] = credibility(e_g[known_g], self.alpha)
+            cred_g[~known_g] = cred_g[known_g].mean()
+        w = n_g * cred_g
+        for fallback in (n_g, cred_g, torch.ones_like(cred_g)):  # every count or every credibility is 0
             if w.sum() > 0:
                 break
             w = fallback
-        weights = normalised(w).to(round.updates.dtype)
+        weights = groups.split(normalised(w)).to(round.updates.dtype)
+        cred = groups.expand(cred_g)
         vector = weighted_sum(round.updates, weights)
         ls = reference_losses(round) * (
             bench_size if self.reduction == "sum" else 1.0
@@ -95,6 +112,8 @@ class FOCUS(BaseRule):
         ls = torch.where(torch.isfinite(ls), ls, math.inf)  # unmeasurable: the worst loss (eq 6's limit)
         self._ls.update(zip(round.client_ids, ls.tolist(), strict=True))
         info = {"clients": {"credibility": cred, "E": e, "LS_previous": ls_prev, "LL": ll, "LS": ls}}
+        if self.sybils == "share":
+            info["groups"] = groups.info(round.client_ids)
         return Aggregate(vector, weights, info)
 
     def state_dict(self) -> dict[str, Any]:

@@ -14,8 +14,9 @@ from statistics import NormalDist
 
 import torch
 
-from fedtrust._checks import check_choice, check_float
+from fedtrust._checks import check_choice, check_float, check_int
 from fedtrust._registry import build
+from fedtrust.aggregators.kernels import gram
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,42 @@ class IPM:
         return (-self.epsilon * benign.mean(0)).expand(int(ctx.bad.sum()), -1).clone()
 
 
+class Mimic:
+    """Mimic (Karimireddy, He, Jaggi, ICLR 2022, "Byzantine-robust learning on heterogeneous datasets via
+    bucketing", section 3): every corrupted client sends a copy of one benign client's update. Nothing
+    it sends is an outlier, yet the copied client's data is over-represented: under heterogeneous data
+    the aggregate drifts towards that one client, and rules that read agreement as reliability see a
+    tight cluster.
+
+    ``target="variance"`` (the paper's choice) copies the benign client furthest along the benign
+    updates' top principal direction z, i* = argmax_i |<z, x_i - mean>| (the paper fixes i* after a
+    warm-up; here it is chosen afresh each round from that round's benign updates, from their centred
+    Gram matrix: z's scores are the top eigenvector of G, so no d-sized SVD). An integer ``target`` k
+    copies the k-th benign client of the round (modulo their number)."""
+
+    uses_own_update = False
+    colluding = True
+
+    def __init__(self, target: str | int = "variance"):
+        if isinstance(target, str):
+            self.target = check_choice("attack mimic: target", target, ("variance",))
+        else:
+            self.target = check_int("attack mimic: target", target, minimum=0)
+
+    def choose(self, benign: torch.Tensor) -> int:
+        """The position, among ``benign``, of the client to copy."""
+        if self.target != "variance":
+            return self.target % len(benign)
+        if len(benign) < 2:
+            return 0
+        _, vectors = torch.linalg.eigh(gram(benign, "mean"))
+        return int(vectors[:, -1].abs().argmax())  # the top eigenvector's entries are the scores / sqrt(l)
+
+    def __call__(self, ctx: AttackContext) -> torch.Tensor:
+        benign = ctx.benign if len(ctx.benign) else ctx.updates
+        return benign[self.choose(benign)].expand(int(ctx.bad.sum()), -1).clone()
+
+
 class Crash:
     """A broken device: sends NaN (or ``value``, e.g. inf) in every coordinate. Rules quarantine it."""
 
@@ -150,6 +187,7 @@ ATTACKS = {
     "scaling": Scaling,
     "alie": ALIE,
     "ipm": IPM,
+    "mimic": Mimic,
     "crash": Crash,
 }
 

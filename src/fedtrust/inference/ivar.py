@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fedtrust._checks import resolve_tol
+from fedtrust.inference.accelerate import Step, squarem
 from fedtrust.inference.result import InferenceResult, WeightChanges, converged
 from fedtrust.inference.tasks import TaskGram, TaskPasses, as_tasks, mean_noise, weighted_sums
 
@@ -59,7 +60,7 @@ def ivar_mle(
     estimates,
     mask=None,
     *,
-    max_iter: int = 100,
+    max_iter: int = 200,
     tol: float | None = None,
     eps: float = 1e-12,
     init_noise=None,
@@ -68,19 +69,32 @@ def ivar_mle(
     """IVAR-MLE (Algorithm 1): alternate
 
         y_i = sum_j x_ij / sigma_j^2 / sum_j 1 / sigma_j^2                        (eq 6)
-        sigma_j^2 = max(eps, 1 / (K |I_j|) sum_{i in I_j} ||y_i - x_ij||^2)        (eq 7, Algorithm 1 line 3)
+        sigma_j^2 = max(floor, 1 / (K |I_j|) sum_{i in I_j} ||y_i - x_ij||^2)      (eq 7, Algorithm 1 line 3)
 
     until the weights w_ij = (1 / sigma_j^2) / sum_j' 1 / sigma_j'^2 of eq 6 are within ``tol`` of their
     fixed point (absolute, :func:`~fedtrust.inference.result.converged`; default
-    :func:`~fedtrust._checks.stopping_tol` of the estimates' dtype), or ``max_iter`` iterations.
-    Each step maximises the likelihood in its block, so the
-    trace never decreases. Starts from the plain mean unless ``init_noise`` (J,) is given (NaN entries:
-    unknown sources).
+    :func:`~fedtrust._checks.stopping_tol` of the estimates' dtype), or ``max_iter`` iterations. Each step
+    maximises the likelihood in its block, so the trace never decreases (except where the estimate
+    switches, below). Starts from the plain mean unless ``init_noise`` (J,) is given (NaN entries: unknown
+    sources).
 
-    With few sources the iterations run on the tasks' Gram matrices (:class:`TaskGram`: one pass over
-    the data, then O(J^2) per iteration) and the consensus is formed once at the end; with many
-    (``DIRECT_MIN_SOURCES``) each iteration is one fused pass (:class:`TaskPasses`), which also forms
-    the consensus: one pass per iteration (and one more when some given starting noise is unknown).
+    **The degenerate solution.** The joint likelihood in (y, sigma) is unbounded: the consensus can sit on
+    one source, whose residual and variance then go to 0 (Neyman & Scott's incidental-parameter problem;
+    with two sources eq 6-7's fixed point w = 1/2 is unstable, so the iteration collapses whenever too few
+    sources share the best noise level, and missing entries make it likelier). The floor is scale-aware:
+    ``eps`` times the median over sources of their mean squared distance to the first consensus (the plain
+    mean's unless ``init_noise`` is given). A source whose variance reaches it is the degeneracy, not a
+    perfect source: the iteration restarts from its first step with eq 7 corrected by the consensus' own
+    variance, sigma_j^2 = 1 / (K |I_j|) sum_i (||y_i - x_ij||^2 + K lambda_i), lambda_i = (sum_j 1 /
+    sigma_j^2)^-1: the EM update of the likelihood with y integrated out under a flat prior (IVAR-VB's eq
+    13 with tau^2 -> infinity), which is bounded (E||y_i - x_ij||^2 = sigma_j^2 - lambda_i, so eq 7 alone
+    under-estimates exactly the sources the consensus leans on). ``params["degenerate"]`` then says which
+    source reached the floor and that the estimate switched.
+
+    With few sources the iterations run on the tasks' Gram matrices (:class:`TaskGram`: one pass over the
+    data, then O(J^2) per iteration) and the consensus is formed once at the end; with many
+    (``DIRECT_MIN_SOURCES``) each iteration is one fused pass (:class:`TaskPasses`), which also forms the
+    consensus: one pass per iteration (and one more when some given starting noise is unknown).
     """
     t = as_tasks(estimates, mask)
     _, sources, k = t.shape
@@ -88,10 +102,12 @@ def ivar_mle(
     gram = TaskPasses(t) if sources >= DIRECT_MIN_SOURCES else TaskGram.of(t)
     tol = resolve_tol(tol, t.x.dtype)
     past = past or IvarPast.empty(sources, t.x.device)
-    noise = torch.ones(sources, dtype=torch.float64, device=t.x.device) if init_noise is None else (
+    first = torch.ones(sources, dtype=torch.float64, device=t.x.device) if init_noise is None else (
         start_noise(t, init_noise, gram)
     )  # fmt: skip
     count = m.sum(0) + past.count
+    floor = None
+    noise = first
     trace: list[float] = []
     changes = WeightChanges()
     for it in range(1, max_iter + 1):
@@ -100,10 +116,16 @@ def ivar_mle(
         changes.add(weights)
         r = gram.residuals(weights, m) / k
         update = (r.sum(0) + past.total) / count.clamp_min(1)
-        noise = torch.where(count > 0, update.clamp_min(eps), noise)
+        if floor is None:  # the first consensus (the plain mean, or the given noise's): the data's scale
+            floor = eps * max(float(update[count > 0].median()), torch.finfo(torch.float64).tiny)
+        noise = torch.where(count > 0, update.clamp_min(floor), noise)
+        if it == 1:
+            start = noise
         # mean log-likelihood per observed value, past tasks included (they depend on sigma too)
         ll = -0.5 * ((count * (LOG2PI + noise.log())).sum() + ((r.sum(0) + past.total) / noise).sum())
         trace.append(float(ll / count.sum()))
+        if bool(((update <= floor) & (count > 0)).any()) and it < max_iter:
+            return _degenerate(t, gram, start, past, max_iter, tol, it, floor, update)
         if converged(changes, tol):
             break
     consensus = gram.combination if isinstance(gram, TaskPasses) else weighted_sums(t, weights)
@@ -118,6 +140,34 @@ def ivar_mle(
         changes=list(changes),
         tol=tol,
         past=IvarPast(r.sum(0), m.sum(0)),
+    )
+
+
+def _degenerate(t, gram, first, past, max_iter, tol, it, floor, update) -> InferenceResult:
+    """IVAR-MLE from its degenerate solution on: the flat-prior EM from the first consensus, with the
+    iterations left, and the reason in ``params["degenerate"]``."""
+    seen = (t.m.sum(0) + past.count) > 0
+    j = int(torch.argmin(torch.where(seen, update, math.inf)))
+    reason = (
+        f"ivar_mle: source {j}'s noise variance reached the floor ({floor:.3g}: eps times the median "
+        f"squared distance to the first consensus) at iteration {it}, the joint likelihood's degenerate "
+        "solution (all trust on one source); switched to the flat-prior estimate (eq 7 plus the "
+        "consensus' own variance)"
+    )
+    fit = _em(t, gram, first, None, past, max_iter - it, tol)
+    lam, _, spread, noise, _, weights = fit.last.record
+    return InferenceResult(
+        estimator="ivar_mle",
+        consensus=weighted_sums(t, weights),
+        noise=noise,
+        weights=weights,
+        trace=fit.trace,  # the objective of the estimate returned (eq 6-7's path ended in the collapse)
+        iterations=it + fit.iterations,
+        converged=fit.converged(tol),
+        changes=list(fit.changes),
+        tol=tol,
+        params={"degenerate": reason, "lambda": lam},
+        past=IvarPast(spread, t.m.sum(0)),
     )
 
 
@@ -155,39 +205,57 @@ def ivar_vb(
     noise = start_noise(t, init_noise, gram)
     if tau2 is None:
         tau2 = float(gram.sq_norm(m / m.sum(1, keepdim=True)).sum()) / (tasks * k) + float(noise.mean())
-    count = m.sum(0) + past.count
-    tau_count = tasks + past.tau_count
-    trace: list[float] = []
-    changes = WeightChanges()
-    for it in range(1, max_iter + 1):
-        precision = m / noise
-        lam = 1.0 / (1.0 / tau2 + precision.sum(1))  # (10)
-        weights = lam[:, None] * precision  # (11): ybar_i = sum_j weights_ij x_ij
-        changes.add(weights)
-        ysq = gram.sq_norm(weights) / k
-        tau2 = float(((lam + ysq).sum() + past.tau_total) / tau_count)  # (12)
-        r = gram.residuals(weights, m) / k
-        spread = (m * (lam[:, None] + r)).sum(0)
-        noise = torch.where(count > 0, (spread + past.total) / count.clamp_min(1), noise)  # (13)
-        trace.append(
-            _ivar_free_energy(lam, ysq, spread, noise, tau2, count, tau_count, past)
-            / float(count.sum() + tau_count)
-        )
-        if converged(changes, tol):
-            break
+    fit = _em(t, gram, noise, tau2, past, max_iter, tol)
+    lam, ysq, spread, noise, tau2, weights = fit.last.record
     return InferenceResult(
         estimator="ivar_vb",
         consensus=weighted_sums(t, weights),
         noise=noise,
         weights=weights,
-        trace=trace,
-        iterations=it,
-        converged=converged(changes, tol),
-        changes=list(changes),
+        trace=fit.trace,
+        iterations=fit.iterations,
+        converged=fit.converged(tol),
+        changes=list(fit.changes),
         tol=tol,
         params={"tau2": tau2, "lambda": lam},
         past=IvarPast(spread, m.sum(0), float((lam + ysq).sum()), float(tasks)),
     )
+
+
+def _em(t, gram, noise, tau2: float | None, past: IvarPast, max_iter: int, tol: float):
+    """IVAR-VB's updates (eqs 10-13) under SQUAREM (:mod:`~fedtrust.inference.accelerate`), on the state
+    (log sigma_j^2, log tau^2). ``tau2=None`` is the flat prior (1 / tau^2 = 0, never updated): the EM
+    for the likelihood with y integrated out, which IVAR-MLE switches to at its degenerate solution."""
+    tasks, _, k = t.shape
+    m = t.m
+    count = m.sum(0) + past.count
+    seen = count > 0
+    tau_count = tasks + past.tau_count
+    flat = tau2 is None
+
+    def update(state: torch.Tensor) -> Step:
+        noise = state[:-1].exp()
+        prior = 0.0 if flat else float(torch.exp(-state[-1]))
+        precision = m / noise
+        lam = 1.0 / (prior + precision.sum(1))  # (10)
+        weights = lam[:, None] * precision  # (11): ybar_i = sum_j weights_ij x_ij
+        r = gram.residuals(weights, m) / k
+        spread = (m * (lam[:, None] + r)).sum(0)
+        noise = torch.where(seen, (spread + past.total) / count.clamp_min(1), noise)  # (13)
+        if flat:
+            ysq, tau2 = None, math.inf
+            energy = _ivar_free_energy(lam, None, spread, noise, None, count, 0.0, past)
+        else:
+            ysq = gram.sq_norm(weights) / k
+            tau2 = float(((lam + ysq).sum() + past.tau_total) / tau_count)  # (12)
+            energy = _ivar_free_energy(lam, ysq, spread, noise, tau2, count, tau_count, past)
+        log_tau2 = torch.tensor([0.0 if flat else math.log(tau2)], dtype=noise.dtype)
+        state = torch.cat([noise.log(), log_tau2])
+        return Step(state, weights, energy / float(count.sum() + (0.0 if flat else tau_count)),
+                    (lam, ysq, spread, noise, tau2, weights))  # fmt: skip
+
+    start = torch.cat([noise.log(), torch.tensor([0.0 if flat else math.log(tau2)], dtype=noise.dtype)])
+    return squarem(update, start, max_iter, tol)
 
 
 def _ivar_free_energy(lam, ysq, spread, noise, tau2, count, tau_count, past) -> float:
@@ -196,6 +264,8 @@ def _ivar_free_energy(lam, ysq, spread, noise, tau2, count, tau_count, past) -> 
     -1/2 (log 2 pi tau^2 + (ybar^2 + lambda_i) / tau^2); entropy of q(y_i): 1/2 log 2 pi e lambda_i.
     Earlier tasks enter through their statistics (their own entropy is a constant)."""
     obs = -0.5 * ((count * (LOG2PI + noise.log())).sum() + ((spread + past.total) / noise).sum())
+    if tau2 is None:  # the flat prior: no prior term
+        return float(obs) + 0.5 * float((LOG2PI + 1 + lam.log()).sum())
     prior = -0.5 * (
         tau_count * (LOG2PI + math.log(tau2)) + (float((lam + ysq).sum()) + past.tau_total) / tau2
     )

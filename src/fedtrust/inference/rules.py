@@ -7,6 +7,24 @@ Clients absent from a round are missing entries. Trust weights are each client's
 consensus; where those are not a distribution (VB shrinks towards zero, ICOV may subtract a correlated
 client) the weights are their positive part normalised, and the exact coefficients are in
 ``info["clients"]["coefficient"]``.
+
+Copies share one vote (``sybils="share"``, the default; :mod:`fedtrust.aggregators.sybils`): the
+estimators read agreement as reliability, so k identical updates would buy the trust of k independent
+sources that agree perfectly. Their own model says k perfectly correlated sources carry the information
+of one (eq 3's GLS weights with k equal rows of Phi), as FoolsGold's similarity discount does (Fung,
+Yoon, Beschastnikh, RAID 2020). So each round's near-duplicate updates are grouped, the estimator runs on
+one representative per group (the group's mean) and the representative's coefficient is split evenly
+among the members; ``info["groups"]`` lists the groups and why. The window state stays keyed by client
+id: a representative starts from its members' pooled estimates (the mean of their noise, factors and past
+statistics, over the members that have them) and every member keeps the representative's, so a group
+may form, change or dissolve from one round to the next. ``sybils="off"`` treats every client as its own
+source (the papers' setting).
+
+Degenerate rounds never fail: when every update is (near-)identical there is nothing to weigh, and the
+rule returns that update with equal weights and the reason in ``info["degenerate"]``, its state
+unchanged; when an ICOV fit breaks down on a degenerate round (rank-deficient or collinear updates can
+drive the latent variance to zero), the round is fitted by the IVAR estimator of the same kind (ICOV
+without its correlated part), the reason in ``info["fallback"]``, the ICOV state unchanged.
 """
 
 from __future__ import annotations
@@ -15,12 +33,14 @@ import math
 import warnings
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from fedtrust._checks import check_choice, check_float, check_int, check_tol
 from fedtrust.aggregators.core import Aggregate, BaseRule, Round, UnscreenedUpdates
+from fedtrust.aggregators.kernels import row_norms
 from fedtrust.aggregators.state import (
     ClientId,
     Dict,
@@ -35,6 +55,7 @@ from fedtrust.aggregators.state import (
     symmetric_positive_definite,
     symmetric_positive_semidefinite,
 )
+from fedtrust.aggregators.sybils import Groups, all_identical, find_groups
 from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, latent_init
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
 from fedtrust.inference.result import ConvergenceWarning
@@ -52,6 +73,34 @@ def _task(round: Round) -> Tasks:
     if "norms" in kw:
         return Tasks(round.updates[None], present, norms=kw["norms"][None])
     return Tasks(round.updates[None], present, on_norms=kw["on_norms"])
+
+
+#: How a group of near-duplicate updates is treated: "share" one vote among them, or "off" (each its own).
+SYBILS = ("share", "off")
+
+
+def _representatives(round: Round, groups: Groups) -> Round:
+    """The round the estimator sees: one update per group (its mean), named by its first member."""
+    if groups.trivial:
+        return round
+    return Round(updates=groups.means(round.updates), client_ids=[round.client_ids[i] for i in groups.first])
+
+
+def _for_members(result, groups: Groups):
+    """The estimator's result on the representatives as one on the members: each representative's
+    coefficient split evenly among its members, its noise (and reliability) given to each."""
+    if groups.trivial:
+        return result
+    return replace(result, weights=groups.split(result.weights[0])[None], noise=groups.expand(result.noise))
+
+
+def _start(groups: Groups, members: list, fresh: torch.Tensor) -> torch.Tensor:
+    """Each representative's starting value (latent factors): the mean of its members' that are known
+    (``members``, None where a client is new), else ``fresh[g]``, the representative's own fresh start."""
+    unknown = torch.full_like(fresh[0], math.nan)
+    pooled = groups.pool(torch.stack([unknown if m is None else torch.as_tensor(m) for m in members]))
+    missing = torch.isnan(pooled.reshape(groups.count, -1)).any(1)
+    return torch.where(missing.reshape(-1, *([1] * (pooled.dim() - 1))), fresh, pooled)
 
 
 def _trust(coefficients: torch.Tensor) -> torch.Tensor:
@@ -92,11 +141,12 @@ class _WindowRule(BaseRule):
     paper = PAPER
     screens_in_first_pass = True
 
-    def __init__(self, window: int, max_iter: int, tol: float | None):
+    def __init__(self, window: int, max_iter: int, tol: float | None, sybils: str = "share"):
         self.window = check_int(f"{self.name}: window", window, minimum=1)
         self.max_iter = check_int(f"{self.name}: max_iter", max_iter, minimum=1)
         # None: the estimator's default, derived from the updates' dtype (fedtrust._checks.stopping_tol)
         self.tol = check_tol(f"{self.name}: tol", tol)
+        self.sybils = check_choice(f"{self.name}: sybils", sybils, SYBILS)
         self._history: deque = deque(maxlen=self.window - 1)
         self._clients: dict[Any, dict[str, Any]] = {}  # client id -> its persistent estimates
         self._shared: dict[str, Any] = {}  # global estimates (ICOV hyper-parameters)
@@ -118,6 +168,57 @@ class _WindowRule(BaseRule):
         if not all(bool(torch.isfinite(t).all()) for t in (res.consensus, res.noise, res.weights)):
             raise ValueError(f"{self.name}: the fit is not finite on this round{self._scale(round)}")
         return res
+
+    def _groups(self, round: Round) -> Groups:
+        """This round's groups of near-duplicate updates. The distances' pass takes the round's norms, so
+        it screens the round before any state is read. With ``sybils="off"`` every client is its own
+        group, unless all the updates are identical (one group: a degenerate round)."""
+        if self.sybils == "off":
+            if round.n > 1 and all_identical(round.updates):
+                return Groups.one(round.n, f"{round.n} identical updates")
+            return Groups.singletons(round.n)
+        return find_groups(round)
+
+    def _share_info(self, round: Round, groups: Groups) -> dict:
+        return {} if self.sybils == "off" else {"groups": groups.info(round.client_ids)}
+
+    def _degenerate(self, round: Round, groups: Groups) -> Aggregate | None:
+        """All of the round's updates in one group: nothing to weigh. Their (common) update, equal weights,
+        the reason; the state is unchanged."""
+        if groups.count > 1 or round.n < 2:
+            return None
+        hook = round.norms_for_pass().get("on_norms")
+        if hook is not None:  # screened before anything is returned (identical Inf rows are quarantined)
+            hook(row_norms(round.updates))
+        x = round.updates
+        weights = torch.full((round.n,), 1.0 / round.n, dtype=x.dtype, device=x.device)
+        reason = (
+            f"all {round.n} updates are identical or near-identical: there is nothing to weigh, so the "
+            "aggregate is their mean with equal weights and the rule's state is unchanged"
+        )
+        info = {"degenerate": reason, **self._share_info(round, groups)}
+        return Aggregate(groups.means(x)[0], weights, info)
+
+    def _fit_or_fallback(self, round: Round, estimator, fallback, fallback_options: dict, **options):
+        """:meth:`_fit`, or where the fit breaks down, ``fallback`` (the IVAR estimator of the same kind)
+        on this round alone with ``fallback_options``. Returns (result, reason or None); a failing fallback
+        raises the first error."""
+        try:
+            return self._fit(round, estimator, **options), None
+        except UnscreenedUpdates:
+            raise
+        except ValueError as exc:
+            if not round.norms_taken:
+                raise
+            try:
+                result = self._fit(round, fallback, **fallback_options)
+            except ValueError:
+                raise exc from None
+            reason = (
+                f"{exc} -> fitted by {fallback.__name__} instead (the model without its correlated part); "
+                "the rule's state is unchanged"
+            )
+            return result, reason
 
     @staticmethod
     def _scale(round: Round) -> str:
@@ -146,6 +247,7 @@ class _WindowRule(BaseRule):
             "iterations": result.iterations,
             "converged": result.converged,
             **({} if warning is None else {"warning": warning}),
+            **({"degenerate": result.params["degenerate"]} if "degenerate" in result.params else {}),
             "objective": result.trace[-1],
             "trace": result.trace,
             "coefficient_sum": float(coefficients.sum()),
@@ -177,31 +279,38 @@ class IvarMLE(_WindowRule):
     window. Options: window (rounds, this one included), eps (floor on sigma_j^2), max_iter, tol (on the
     weights' change; None: derived from the updates' dtype).
 
-    The likelihood is unbounded (a client matching the consensus exactly has sigma_j -> 0): the iteration
-    settles when several clients share the best noise level and otherwise collapses onto one, with eps
-    keeping its weight finite. IVAR-VB does not collapse."""
+    The likelihood is unbounded (a client matching the consensus exactly has sigma_j -> 0): eqs 6-7
+    settle when several clients share the best noise level and otherwise collapse onto one. eps is the
+    floor relative to the round's scale at which that is detected; the round is then estimated with the
+    flat-prior correction (:func:`~fedtrust.inference.ivar.ivar_mle`) and ``info["degenerate"]`` says so."""
 
     name = "ivar_mle"
 
-    def __init__(self, window: int = 10, eps: float = 1e-12, max_iter: int = 100, tol: float | None = None):
-        super().__init__(window, max_iter, tol)
+    def __init__(self, window: int = 10, eps: float = 1e-12, max_iter: int = 200, tol: float | None = None,
+                 sybils: str = "share"):  # fmt: skip
+        super().__init__(window, max_iter, tol, sybils)
         self.eps = check_float(f"{self.name}: eps", eps, minimum=0.0, strict_min=True)
 
     def _history_spec(self) -> Spec:
         return Dict(Float(minimum=0.0))  # client id -> its mean squared residual that round
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
+        groups = self._groups(round)
+        if (out := self._degenerate(round, groups)) is not None:
+            return out
         ids = round.client_ids
         past = IvarPast(
-            torch.tensor([sum(h.get(i, 0.0) for h in self._history) for i in ids], dtype=torch.float64),
-            torch.tensor([sum(i in h for h in self._history) for i in ids], dtype=torch.float64),
-        )
-        res = self._fit(round, ivar_mle, max_iter=self.max_iter, tol=self.tol, eps=self.eps,
-                       init_noise=self._known(ids, "noise"), past=past)  # fmt: skip
-        self._history.append(dict(zip(ids, res.past.total.tolist(), strict=True)))
-        for i, noise in zip(ids, res.noise.tolist(), strict=True):
+            groups.pool(torch.tensor([sum(h.get(i, 0.0) for h in self._history) for i in ids],
+                                     dtype=torch.float64)),
+            groups.pool(torch.tensor([sum(i in h for h in self._history) for i in ids], dtype=torch.float64)),
+        )  # fmt: skip
+        init_noise = groups.pool(self._known(ids, "noise"))
+        res = self._fit(_representatives(round, groups), ivar_mle, max_iter=self.max_iter, tol=self.tol,
+                        eps=self.eps, init_noise=init_noise, past=past)  # fmt: skip
+        self._history.append(dict(zip(ids, groups.expand(res.past.total).tolist(), strict=True)))
+        for i, noise in zip(ids, groups.expand(res.noise).tolist(), strict=True):
             self._clients[i] = {"noise": noise}
-        return self._finish(round, res, {})
+        return self._finish(round, _for_members(res, groups), self._share_info(round, groups))
 
 
 class IvarVB(_WindowRule):
@@ -210,8 +319,10 @@ class IvarVB(_WindowRule):
 
     name = "ivar_vb"
 
-    def __init__(self, window: int = 10, max_iter: int = 200, tol: float | None = None):
-        super().__init__(window, max_iter, tol)
+    def __init__(
+        self, window: int = 10, max_iter: int = 200, tol: float | None = None, sybils: str = "share"
+    ):
+        super().__init__(window, max_iter, tol, sybils)
 
     def _history_spec(self) -> Spec:  # eq 13's and eq 12's sums that round
         return Fields({"clients": Dict(Float(minimum=0.0)), "tau": Float(minimum=0.0)})
@@ -220,26 +331,34 @@ class IvarVB(_WindowRule):
         return Fields(optional={"tau2": Float(positive=True)})
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
+        groups = self._groups(round)
+        if (out := self._degenerate(round, groups)) is not None:
+            return out
         ids = round.client_ids
+        totals = [sum(h["clients"].get(i, 0.0) for h in self._history) for i in ids]
+        counts = [sum(i in h["clients"] for h in self._history) for i in ids]
         past = IvarPast(
-            torch.tensor(
-                [sum(h["clients"].get(i, 0.0) for h in self._history) for i in ids], dtype=torch.float64
-            ),
-            torch.tensor([sum(i in h["clients"] for h in self._history) for i in ids], dtype=torch.float64),
+            groups.pool(torch.tensor(totals, dtype=torch.float64)),
+            groups.pool(torch.tensor(counts, dtype=torch.float64)),
             sum(h["tau"] for h in self._history),
             float(len(self._history)),
-        )
+        )  # fmt: skip
         res = self._fit(
-            round, ivar_vb, max_iter=self.max_iter, tol=self.tol, init_noise=self._known(ids, "noise"),
-            tau2=self._shared.get("tau2"), past=past,
+            _representatives(round, groups), ivar_vb, max_iter=self.max_iter, tol=self.tol,
+            init_noise=groups.pool(self._known(ids, "noise")), tau2=self._shared.get("tau2"), past=past,
         )  # fmt: skip
         self._history.append(
-            {"clients": dict(zip(ids, res.past.total.tolist(), strict=True)), "tau": res.past.tau_total}
+            {
+                "clients": dict(zip(ids, groups.expand(res.past.total).tolist(), strict=True)),
+                "tau": res.past.tau_total,
+            }
         )
-        for i, noise in zip(ids, res.noise.tolist(), strict=True):
+        for i, noise in zip(ids, groups.expand(res.noise).tolist(), strict=True):
             self._clients[i] = {"noise": noise}
         self._shared["tau2"] = res.params["tau2"]
-        return self._finish(round, res, {"tau2": res.params["tau2"]})
+        return self._finish(
+            round, _for_members(res, groups), {"tau2": res.params["tau2"], **self._share_info(round, groups)}
+        )
 
 
 def _embed(ids, entry_ids, rows: torch.Tensor | None = None):
@@ -263,8 +382,8 @@ class IcovMLE(_WindowRule):
     name = "icov_mle"
 
     def __init__(self, latent_dim: int = 2, window: int = 10, steps: int = 20, max_iter: int = 50,
-                 tol: float | None = None, seed: int = 0):  # fmt: skip
-        super().__init__(window, max_iter, tol)
+                 tol: float | None = None, seed: int = 0, sybils: str = "share"):  # fmt: skip
+        super().__init__(window, max_iter, tol, sybils)
         self.latent_dim = check_int(f"{self.name}: latent_dim", latent_dim, minimum=1)
         self.steps = check_int(f"{self.name}: steps", steps, minimum=1)
         self.seed = check_int(f"{self.name}: seed", seed)
@@ -284,32 +403,49 @@ class IcovMLE(_WindowRule):
         return Fields(optional={"sigma_u2": Float(positive=True)})
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
+        groups = self._groups(round)
+        if (out := self._degenerate(round, groups)) is not None:
+            return out
         ids = round.client_ids
         masks, grams = [], []
         for entry in self._history:
             gram = entry["gram"]
             mask, index = _embed(ids, entry["ids"])
+            gram = gram[index][:, index] * (mask[:, None] & mask[None, :]).to(gram.dtype)
+            if not groups.trivial:  # a representative's residual: the mean of its present members'
+                pool = groups.pooling(mask).to(gram.dtype)
+                mask, gram = pool.sum(1) > 0, pool @ gram @ pool.T
             masks.append(mask)
-            grams.append(gram[index][:, index] * (mask[:, None] & mask[None, :]).to(gram.dtype))
+            grams.append(gram)
         past = IcovMlePast(torch.stack(masks), torch.stack(grams)) if masks else None
-        fresh = latent_init(ids, self.latent_dim, self.seed)
-        v = torch.stack(
-            [torch.as_tensor(self._clients.get(i, {}).get("v", fresh[k])) for k, i in enumerate(ids)]
-        )
-        init = {"V": v, "noise": self._known(ids, "noise")}
+        fit_round = _representatives(round, groups)
+        fresh = latent_init(fit_round.client_ids, self.latent_dim, self.seed)
+        v = _start(groups, [self._clients.get(i, {}).get("v") for i in ids], fresh)
+        init = {"V": v, "noise": groups.pool(self._known(ids, "noise"))}
         if "sigma_u2" in self._shared:
             init["sigma_u2"] = self._shared["sigma_u2"]
         if torch.isnan(init["noise"]).any():
             del init["noise"]
-        res = self._fit(
-            round, icov_mle, latent_dim=self.latent_dim, max_iter=self.max_iter, steps=self.steps,
-            tol=self.tol, seed=self.seed, source_keys=ids, init=init, past=past,
+        plain = {"max_iter": self.max_iter, "tol": self.tol, "init_noise": init.get("noise")}
+        res, fallback = self._fit_or_fallback(
+            fit_round, icov_mle, ivar_mle, plain, latent_dim=self.latent_dim, max_iter=self.max_iter,
+            steps=self.steps, tol=self.tol, seed=self.seed, source_keys=fit_round.client_ids, init=init,
+            past=past,
         )  # fmt: skip
-        self._history.append({"ids": list(ids), "gram": res.past.gram[0]})
+        if fallback is not None:
+            return self._finish(
+                round, _for_members(res, groups), {"fallback": fallback, **self._share_info(round, groups)}
+            )
+        self._history.append({"ids": list(ids), "gram": groups.expand(groups.expand(res.past.gram[0]).T).T})
+        v, noise = groups.expand(res.params["V"]), groups.expand(res.params["sigma2"])
         for k, i in enumerate(ids):
-            self._clients[i] = {"v": res.params["V"][k].clone(), "noise": float(res.params["sigma2"][k])}
+            self._clients[i] = {"v": v[k].clone(), "noise": float(noise[k])}
         self._shared["sigma_u2"] = res.params["sigma_u2"]
-        return self._finish(round, res, {"sigma_u2": res.params["sigma_u2"]})
+        return self._finish(
+            round,
+            _for_members(res, groups),
+            {"sigma_u2": res.params["sigma_u2"], **self._share_info(round, groups)},
+        )
 
 
 class IcovVB(_WindowRule):
@@ -322,8 +458,8 @@ class IcovVB(_WindowRule):
     name = "icov_vb"
 
     def __init__(self, latent_dim: int = 2, noise: str = "per_source", window: int = 10, max_iter: int = 200,
-                 tol: float | None = None, seed: int = 0):  # fmt: skip
-        super().__init__(window, max_iter, tol)
+                 tol: float | None = None, seed: int = 0, sybils: str = "share"):  # fmt: skip
+        super().__init__(window, max_iter, tol, sybils)
         self.latent_dim = check_int(f"{self.name}: latent_dim", latent_dim, minimum=1)
         self.noise = check_choice(f"{self.name}: noise", noise, ("per_source", "shared"))
         self.seed = check_int(f"{self.name}: seed", seed)
@@ -356,52 +492,57 @@ class IcovVB(_WindowRule):
         return Fields(optional={k: Float(positive=True) for k in ("sigma_y2", "sigma_u2", "sigma_v2")})
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
+        groups = self._groups(round)
+        if (out := self._degenerate(round, groups)) is not None:
+            return out
         ids = round.client_ids
         d = self.latent_dim
         past = None
         for entry in self._history:
             mask, b = _embed(ids, entry["ids"], entry["b"])
             _, c = _embed(ids, entry["ids"], entry["c"])
+            if not groups.trivial:  # a representative's statistics: the mean of its present members'
+                pool = groups.pooling(mask).to(b.dtype)
+                mask, b, c = pool.sum(1) > 0, pool @ b, pool @ c
             a = entry["A"]
             terms = torch.tensor([[entry["yterm"]], [entry["uterm"]]], dtype=a.dtype, device=a.device)
             piece = IcovVbPast(mask[None], a[None], b[None], c[None], terms[0], terms[1], entry["k"])
             past = piece if past is None else past.cat(piece)
         init = dict(self._shared)
-        init["noise"] = self._known(ids, "noise")
-        known = [i in self._clients for i in ids]
-        if any(known):
-            fresh = latent_init(ids, d, self.seed, math.sqrt(self._shared.get("sigma_v2", 1.0)))
-            eye = torch.eye(d, dtype=torch.float64) * self._shared.get("sigma_v2", 1.0)
-            init["V"] = torch.stack(
-                [
-                    self._clients[i]["v"] if k else fresh[n]
-                    for n, (i, k) in enumerate(zip(ids, known, strict=True))
-                ]
-            )
-            init["Psi"] = torch.stack(
-                [self._clients[i]["psi"] if k else eye for i, k in zip(ids, known, strict=True)]
-            )
-        res = self._fit(
-            round, icov_vb, latent_dim=d, noise=self.noise, max_iter=self.max_iter, tol=self.tol,
-            seed=self.seed, source_keys=ids, init=init, past=past,
+        init["noise"] = groups.pool(self._known(ids, "noise"))
+        fit_round = _representatives(round, groups)
+        if any(i in self._clients for i in ids):
+            scale = self._shared.get("sigma_v2", 1.0)
+            fresh = latent_init(fit_round.client_ids, d, self.seed, math.sqrt(scale))
+            eye = (torch.eye(d, dtype=torch.float64) * scale).expand(groups.count, d, d)
+            known = [self._clients.get(i) for i in ids]
+            init["V"] = _start(groups, [None if k is None else k["v"] for k in known], fresh)
+            init["Psi"] = _start(groups, [None if k is None else k["psi"] for k in known], eye)
+        plain = {"max_iter": self.max_iter, "tol": self.tol, "init_noise": init["noise"]}
+        res, fallback = self._fit_or_fallback(
+            fit_round, icov_vb, ivar_vb, plain, latent_dim=d, noise=self.noise, max_iter=self.max_iter,
+            tol=self.tol, seed=self.seed, source_keys=fit_round.client_ids, init=init, past=past,
         )  # fmt: skip
+        if fallback is not None:
+            return self._finish(
+                round, _for_members(res, groups), {"fallback": fallback, **self._share_info(round, groups)}
+            )
         stats = res.past
         self._history.append(
             {
                 "ids": list(ids),
                 "A": stats.A[0],
-                "b": stats.b[0],
-                "c": stats.c[0],
+                "b": groups.expand(stats.b[0]),
+                "c": groups.expand(stats.c[0]),
                 "yterm": float(stats.yterm[0]),
                 "uterm": float(stats.uterm[0]),
                 "k": int(stats.k),
             }
         )
+        v, psi, noise = (groups.expand(res.params[key]) for key in ("V", "Psi", "sigma2"))
         for k, i in enumerate(ids):
-            self._clients[i] = {
-                "v": res.params["V"][k].clone(),
-                "psi": res.params["Psi"][k].clone(),
-                "noise": float(res.params["sigma2"][k]),
-            }
+            self._clients[i] = {"v": v[k].clone(), "psi": psi[k].clone(), "noise": float(noise[k])}
         self._shared = {key: res.params[key] for key in ("sigma_y2", "sigma_u2", "sigma_v2")}
-        return self._finish(round, res, dict(self._shared))
+        return self._finish(
+            round, _for_members(res, groups), {**self._shared, **self._share_info(round, groups)}
+        )

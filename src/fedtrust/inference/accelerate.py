@@ -1,0 +1,89 @@
+"""SQUAREM: extrapolated fixed-point iteration for the estimators' EM-like updates.
+
+Varadhan & Roland 2008, "Simple and globally convergent methods for accelerating the convergence of
+any EM algorithm" (Scand. J. Statist. 35), scheme S3. From theta_0, two plain updates give theta_1 and
+theta_2; with r = theta_1 - theta_0 and v = theta_2 - 2 theta_1 + theta_0 the step
+theta' = theta_0 - 2 alpha r + alpha^2 v, alpha = -||r|| / ||v|| (at most -1; alpha = -1 is theta_2)
+jumps along the slowly converging direction, and one plain update from theta' stabilises it. The jump
+is kept only if the objective (the likelihood or free energy, which every plain update raises) is at
+least theta_2's; else the iteration goes on from theta_2. Block coordinate ascent on these models
+converges linearly at a rate near 1 when sources are few or alike (IVAR-VB: ~0.99 on a 5 x 5 table);
+the jump cuts the iterations several-fold and never costs more than one update per cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fedtrust.inference.result import WeightChanges, converged
+
+
+@dataclass
+class Step:
+    """One plain update from a state: the next state, the weights the update used (those of the
+    input state), the objective at the next state, and whatever the estimator needs to finish."""
+
+    state: torch.Tensor
+    weights: torch.Tensor
+    objective: float
+    record: Any = None
+
+
+@dataclass
+class Iterated:
+    last: Step
+    iterations: int
+    changes: WeightChanges
+    trace: list[float] = field(default_factory=list)
+
+    def converged(self, tol: float) -> bool:
+        return converged(self.changes, tol)
+
+
+def squarem(
+    update: Callable[[torch.Tensor], Step], state: torch.Tensor, max_iter: int, tol: float
+) -> Iterated:
+    """Iterate ``update`` (states are unconstrained vectors, e.g. log-variances) with SQUAREM jumps until
+    the weights are within ``tol`` of their fixed point (:func:`converged`, judged on consecutive plain
+    updates only) or ``max_iter`` updates have run (a rejected jump counts as one)."""
+    changes, trace = WeightChanges(), []
+    done = 0
+
+    def plain(s: torch.Tensor) -> Step:
+        nonlocal done
+        done += 1
+        out = update(s)
+        changes.add(out.weights)
+        trace.append(out.objective)
+        return out
+
+    theta, jumped = state, False
+    step0 = plain(theta)
+    while True:
+        if (not jumped and converged(changes, tol)) or done >= max_iter:
+            return Iterated(step0, done, changes, trace)
+        step1 = plain(step0.state)
+        if converged(changes, tol) or done >= max_iter:
+            return Iterated(step1, done, changes, trace)
+        r = step0.state - theta
+        v = step1.state - step0.state - r
+        vn = float(v.norm())
+        alpha = min(-float(r.norm()) / vn, -1.0) if vn > 0 else -1.0
+        last, jumped = step1, False
+        if alpha < -1.0:
+            candidate = theta - 2 * alpha * r + alpha * alpha * v
+            if bool(torch.isfinite(candidate).all()):
+                done += 1
+                tried = update(candidate)
+                if bool(torch.isfinite(tried.state).all()) and tried.objective >= step1.objective:
+                    changes.add(tried.weights)  # a jump, not a plain step: judged on the next two
+                    trace.append(tried.objective)
+                    last, jumped = tried, True
+        if done >= max_iter:
+            return Iterated(last, done, changes, trace)
+        theta = last.state
+        step0 = plain(theta)

@@ -1,0 +1,247 @@
+"""Trust that colluders cannot buy (issue 17): a group of identical or near-identical updates gets, all
+together, the trust one client would get for the same information, and the aggregate stays where the
+honest clients put it; no rule fails on identical, collinear or rank-deficient rounds."""
+
+import pytest
+import runs
+import torch
+
+from fedtrust import Round, rule
+from fedtrust.aggregators import Aggregate, available
+from fedtrust.aggregators.sybils import find_groups
+from fedtrust.attacks import AttackContext, attack
+from fedtrust.experiments.runner import build_simulation
+
+SHARING = ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb", "focus"]
+#: ICOV at fewer iterations (ICOV-MLE 10 of 5 quasi-Newton steps, ICOV-VB 50): their defaults take
+#: seconds a round here; both runs a claim compares share the options.
+OPTIONS = {"icov_mle": {"max_iter": 10, "steps": 5}, "icov_vb": {"max_iter": 50}}
+
+
+def honest(n=14, d=300, seed=0):
+    """n honest updates around a common direction with different noise levels (IVAR's model)."""
+    g = torch.Generator().manual_seed(seed)
+    truth = torch.randn(d, generator=g)
+    sd = torch.linspace(0.2, 1.0, n)[:, None]
+    return truth, truth + sd * torch.randn(n, d, generator=g)
+
+
+def attacked(x, name, bad=6, **options):
+    """x with ``bad`` more clients running the update attack ``name`` (they see the honest updates)."""
+    full = torch.cat([x, torch.zeros(bad, x.shape[1])])
+    mask = torch.zeros(len(full), dtype=torch.bool)
+    mask[len(x) :] = True
+    ctx = AttackContext(full, mask, torch.zeros(x.shape[1]), "params", torch.Generator().manual_seed(1))
+    full[mask] = attack(name, **options)(ctx)
+    return full
+
+
+def two_rounds(name, x, **options):
+    """The rule's output on the second of two rounds with these updates (FOCUS weighs by the benchmark
+    loss of the previous round; the window rules carry their noise over)."""
+    n = len(x)
+    r = Round(
+        updates=x,
+        client_ids=[f"c{i}" for i in range(n)],
+        num_samples=torch.full((n,), 50.0),
+        metrics={"train_loss": torch.full((n,), 1.0)},
+        reference=lambda v: float((v - TRUTH).square().mean()),
+    )
+    agg = rule(name, **OPTIONS.get(name, {}), **options)
+    agg(r)
+    return agg(r)
+
+
+TRUTH, HONEST = honest()
+
+
+@pytest.mark.parametrize("name", SHARING)
+def test_mimic_copies_together_get_the_trust_of_the_one_client_they_copy(name):
+    """Six clients send a copy of honest client 3's update (mimic): the seven identical updates share
+    one vote, together exactly the weight client 3 gets alone, and the aggregate is the honest round's.
+    Without sharing, IVAR gives the copies nearly all of it."""
+    x = attacked(HONEST, "mimic", target=3)
+    alone = two_rounds(name, HONEST)
+    out = two_rounds(name, x)
+    group = [3, *range(14, 20)]
+    assert out.info["groups"] == [
+        {"clients": [f"c{i}" for i in group], "reason": "7 identical updates share one vote"}
+    ]
+    torch.testing.assert_close(out.weights[group].sum(), alone.weights[3], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.weights[group], out.weights[group][:1].expand(7))  # split evenly
+    torch.testing.assert_close(out.vector, alone.vector, atol=1e-4, rtol=1e-4)
+    if name.startswith("ivar"):  # without sharing, agreement read as reliability: the copies take the round
+        before = two_rounds(name, x, sybils="off")
+        assert before.weights[group].sum() > 0.9 > 10 * alone.weights[3]
+
+
+@pytest.mark.parametrize("name", SHARING)
+@pytest.mark.parametrize("jitter", [0.0, 1e-3])
+def test_one_crafted_vector_sent_by_many_gets_the_trust_of_one_client_sending_it(name, jitter):
+    """Six clients send -3 x the honest mean (IPM, epsilon = 3), exactly or with a little noise each
+    (0.1% of the honest spread): together they get the weight one client sending that vector gets,
+    and the aggregate stays near the honest one."""
+    x = attacked(HONEST, "ipm", epsilon=3.0)
+    x[14:] += jitter * torch.randn(6, x.shape[1], generator=torch.Generator().manual_seed(2))
+    one = two_rounds(name, x[:15])  # a single client sends the crafted vector
+    out = two_rounds(name, x)
+    (group,) = out.info["groups"]
+    assert group["clients"] == [f"c{i}" for i in range(14, 20)]
+    assert group["reason"].startswith("6 identical" if jitter == 0 else "6 near-identical")
+    assert float(out.weights[14:].sum()) <= float(one.weights[14]) + 1e-3
+    assert float(out.weights[14:].sum()) < 0.05
+    honest_mean = HONEST.mean(0)
+    assert (out.vector - one.vector).norm() < 0.05 * honest_mean.norm()
+    assert (out.vector - honest_mean).norm() < 0.5 * (x[14] - honest_mean).norm() / 6
+
+
+def test_honest_clients_are_not_grouped_and_an_outlier_does_not_make_two_of_them_alike():
+    """Independent noisy updates share no vote; nor do two honest clients that are close compared with a
+    far outlier (each update's own spread sets the scale, not the round's)."""
+    assert find_groups(Round(updates=HONEST)).trivial
+    x = torch.tensor([[0.0, 0.0], [0.1, -0.1], [5.0, 5.0]])
+    assert find_groups(Round(updates=x)).trivial
+
+
+def test_the_window_state_follows_each_member_as_groups_form_and_dissolve():
+    """Round 1: clients 5-7 copy client 0. Round 2: everyone sends their own update. Each member keeps
+    the representative's noise from round 1; the state round-trips through state_dict (every entry
+    checked); with no groups the round is the estimator's ordinary one."""
+    for name in ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"]:
+        options = {"window": 3, **FAST.get(name, {})}
+        agg = rule(name, **options)
+        ids = [f"c{i}" for i in range(8)]
+        x = HONEST[:8].clone()
+        x[5:] = x[0]
+        out = agg(Round(updates=x, client_ids=ids))
+        assert out.info["groups"][0]["clients"] == ["c0", "c5", "c6", "c7"]
+        state = agg.state_dict()
+        noise = [state["clients"][i]["noise"] for i in ("c0", "c5", "c6", "c7")]
+        assert noise == noise[:1] * 4
+        second = Round(updates=HONEST[:8], client_ids=ids[::-1])  # another order: keyed by id
+        copy = rule(name, **options)
+        copy.load_state_dict(state)
+        a, b = agg(second), copy(second)
+        assert a.info["groups"] == []
+        torch.testing.assert_close(a.vector, b.vector, rtol=0, atol=0)
+
+
+def test_sybils_option_is_checked_like_every_other_option():
+    with pytest.raises(ValueError, match="ivar_vb: sybils must be one of 'share', 'off'; got 'drop'"):
+        rule("ivar_vb", sybils="drop")
+    with pytest.raises(ValueError, match="focus: sybils must be one of 'share', 'off'; got 1"):
+        rule("focus", sybils=1)
+
+
+# ---------------------------------------------------------------- degenerate rounds, every rule
+
+
+def _degenerate():
+    g = torch.Generator().manual_seed(3)
+    n, d = 8, 40
+    base = torch.randn(n, d, generator=g)
+    v = torch.randn(d, generator=g)
+    return {
+        "all identical": v.expand(n, -1).clone(),
+        "all zero": torch.zeros(n, d),
+        "two identical": torch.cat([base[:1], base[: n - 1]]),
+        "n > d (rank-deficient Gram)": torch.randn(n, 3, generator=g),
+        "collinear (multiples of one vector)": torch.arange(1.0, n + 1)[:, None] * v,
+        "one zero update": torch.cat([torch.zeros(1, d), base[1:]]),
+    }
+
+
+DEGENERATE = _degenerate()
+#: ICOV's fits take seconds on these rounds (unconverged at their iteration limits on collinear and
+#: rank-deficient updates); what the test is after shows in the first iterations.
+FAST = {"icov_mle": {"max_iter": 5, "steps": 5}, "icov_vb": {"max_iter": 20}}
+
+
+@pytest.mark.parametrize("case", list(DEGENERATE))
+@pytest.mark.parametrize("name", available())
+def test_no_rule_fails_on_identical_collinear_or_rank_deficient_updates(name, case):
+    """Two rounds of each: a finite aggregate and weights that are a distribution, never an error. The
+    trust rules return an all-identical round's update with the reason; where ICOV's fit breaks down
+    (collinear updates drive its latent variance to 0) they say so and fit IVAR instead."""
+    x = DEGENERATE[case]
+    n = len(x)
+    r = Round(
+        updates=x,
+        client_ids=[f"c{i}" for i in range(n)],
+        num_samples=torch.arange(1.0, n + 1),
+        metrics={"train_loss": torch.linspace(0.5, 1.5, n)},
+        reference=lambda u: float(u.double().norm()),
+        previous=torch.zeros(x.shape[1]),
+    )
+    agg = rule(name, **FAST.get(name, {}))
+    for _ in range(2):
+        out = agg(r)
+        assert isinstance(out, Aggregate)
+        assert torch.isfinite(out.vector).all() and out.vector.shape == (x.shape[1],)
+        assert (out.weights >= 0).all() and abs(float(out.weights.sum()) - 1) < 1e-5
+    if name.startswith(("ivar", "icov")):
+        if case.startswith("all"):
+            assert out.info["degenerate"].startswith("all 8 updates are identical")
+            torch.testing.assert_close(out.vector, x[0])
+        if "fallback" in out.info:
+            assert "-> fitted by ivar_" in out.info["fallback"]
+        other = rule(name, sybils="off", **FAST.get(name, {}))  # the papers' setting does not fail either
+        for _ in range(2):
+            assert torch.isfinite(other(r).vector).all()
+
+
+# ---------------------------------------------------------------- short simulations
+
+BASE = {
+    "name": "sybils",
+    "data": {
+        "name": "digits",
+        "clients": 20,
+        "partition": {"name": "dirichlet", "alpha": 0.5},
+        "benchmark": 0.05,
+    },
+    "model": {"name": "softmax"},
+    "train": {"rounds": 12, "lr": 0.5, "batch_size": 32},
+}
+ATTACKS = {"mimic": {"name": "mimic", "target": 0}, "ipm3": {"name": "ipm", "epsilon": 3.0}}
+
+
+def final_accuracy(rule_name, corruption, colluders=None):
+    """Final test accuracy of the run; ``colluders=1``: the same run (same data, same training noise) with
+    every colluder's update but the first left out of every round."""
+    cfg = runs.config(BASE, rule__name=rule_name, corruption={**corruption, "fraction": 0.3})
+    sim = build_simulation(cfg)
+    if colluders is not None:
+        inner = sim.rule
+        bad = [i for i, b in zip(sim.fed.ids, sim.fed.corrupted.tolist(), strict=True) if b]
+        left_out = set(bad[colluders:])
+
+        def with_fewer(round):
+            keep = [k for k, i in enumerate(round.client_ids) if i not in left_out]
+            out = inner(round.select(keep))
+            weights = torch.zeros(round.n, dtype=out.weights.dtype)
+            weights[keep] = out.weights
+            return Aggregate(out.vector, weights, out.info)
+
+        sim.rule = with_fewer
+    records = sim.run()
+    assert not any(r["error"] for r in records)
+    return records[-1]["metrics"]["accuracy"]
+
+
+@pytest.mark.parametrize(
+    "name, attack_name", [("ivar_mle", "mimic"), ("ivar_mle", "ipm3"), ("ivar_vb", "mimic"), ("ivar_vb", "ipm3"),
+                          ("icov_vb", "ipm3")],
+)  # fmt: skip
+def test_six_colluders_sending_one_update_end_where_one_of_them_would(name, attack_name):
+    """digits, 20 clients, Dirichlet(0.5), softmax, 12 rounds, 30% colluders all sending one update
+    (mimic: a copy of benign client 0's; IPM: -3 x the benign mean): each trust rule ends within 2 points
+    of the same run with a single colluder (before issue 17, at 30 rounds, IVAR and ICOV-VB ended at
+    0.1-0.55 here; clean runs end at 0.89-0.93). ICOV-MLE (over a second a round here) and ICOV-VB under
+    mimic are left to the round-level tests above (a group of exact copies is the one client it copies)
+    and to experiments/ivar_icov/sybils.py."""
+    corruption = ATTACKS[attack_name]
+    one = final_accuracy(name, corruption, colluders=1)
+    six = final_accuracy(name, corruption)
+    assert six > one - 0.02, (six, one)
+    assert one > 0.6
