@@ -189,7 +189,7 @@ def test_the_weights_are_the_datas_not_its_roundings(fn, seed):
     x = four_sources(seed)
     a, b = fn(x), fn(ulps_apart(x, 3))
     assert a.tol == b.tol == stopping_tol(torch.float32) and a.iterations == b.iterations
-    assert a.converged == b.converged == (fn is not icov_vb)  # ICOV-VB: rate ~0.998, 200 iterations
+    assert a.converged and b.converged  # ICOV-VB too, now within its default budget (SQUAREM, ARD pruning)
     torch.testing.assert_close(b.weights, a.weights, **dtype_tol(x.dtype, 1))
     torch.testing.assert_close(b.consensus, a.consensus, **dtype_tol(x.dtype, 1, x.abs().max()))
 
@@ -269,18 +269,20 @@ def test_icov_mle_gradients_are_eqs_9a_to_9c():
         torch.testing.assert_close(analytic[name].detach(), a, rtol=1e-8, atol=1e-10)
 
 
-@pytest.mark.parametrize("noise", ["per_source", "shared"])
-def test_icov_vb_converges_to_a_stationary_point_of_the_free_energy(noise):
+@pytest.mark.parametrize("noise, ard", [("per_source", True), ("shared", True), ("per_source", False)])
+def test_icov_vb_converges_to_a_stationary_point_of_the_free_energy(noise, ard):
     """Eqs 14-23 are coordinate-wise maximisers of the free energy: at convergence its gradient, written
     out independently here and differentiated by autograd, vanishes (per-source noise as in Algorithm 2,
-    or one shared sigma^2 as eqs 14-23 print it)."""
+    or one shared sigma^2 as eqs 14-23 print it; sigma_v^2 per latent dimension (ARD) or one for all as
+    eq 22 prints it). One factor is shared here, so ARD prunes the second to its floor, also a
+    stationary point (there q(v_jd) is its prior)."""
     g = torch.Generator().manual_seed(0)
     tasks, sources, k, d = 6, 5, 6, 2
     x = 2 * torch.randn(tasks, 1, k, generator=g, dtype=torch.float64) + 0.5 * torch.randn(
         tasks, sources, k, generator=g, dtype=torch.float64
     )
     x[:, 2:4] += torch.randn(tasks, 1, k, generator=g, dtype=torch.float64)
-    res = icov_vb(x, latent_dim=d, noise=noise, max_iter=20000, tol=1e-15)
+    res = icov_vb(x, latent_dim=d, noise=noise, max_iter=20000, tol=1e-15, ard=ard)
     p = res.params
     l2p = math.log(2 * math.pi)
 
@@ -302,8 +304,7 @@ def test_icov_vb_converges_to_a_stationary_point_of_the_free_energy(noise):
             - (u.square().sum(-1) + phi.diagonal(dim1=1, dim2=2).sum(-1)[:, None]) / (2 * su2)
         ).sum()
         total += (
-            -0.5 * d * (l2p + torch.log(sv2))
-            - (v.square().sum(-1) + psi.diagonal(dim1=1, dim2=2).sum(-1)) / (2 * sv2)
+            -0.5 * (l2p + torch.log(sv2)) - (v.square() + psi.diagonal(dim1=1, dim2=2)) / (2 * sv2)
         ).sum()
         total += 0.5 * k * (l2p + 1 + torch.log(lam)).sum()
         total += 0.5 * k * (d * (l2p + 1) + torch.logdet(phi)).sum()
@@ -312,13 +313,16 @@ def test_icov_vb_converges_to_a_stationary_point_of_the_free_energy(noise):
 
     args = [p["posterior_mean"], p["lambda"], p["U"], p["Phi_u"], p["V"], p["Psi"]]
     sigma2 = p["sigma2"] if noise == "per_source" else p["sigma2"][:1]  # one free value when shared
-    args += [sigma2] + [
-        torch.tensor(p[key], dtype=torch.float64) for key in ("sigma_y2", "sigma_u2", "sigma_v2")
-    ]
+    sv2 = p["sigma_v2"] if ard else p["sigma_v2"][:1]  # one free value as printed
+    args += [sigma2] + [torch.tensor(p[key], dtype=torch.float64) for key in ("sigma_y2", "sigma_u2")] + [sv2]
     args = [a.clone().requires_grad_() for a in args]
     value = free_energy(*args)
     assert float(value.detach()) / (tasks * sources * k) == pytest.approx(res.trace[-1], rel=1e-9)
-    for grad, arg in zip(torch.autograd.grad(value, args), args, strict=True):
+    for i, (grad, arg) in enumerate(zip(torch.autograd.grad(value, args), args, strict=True)):
+        if i in (3, 5):  # Phi, Psi: relative to their own scale (Psi_j @ gradient), as a pruned q(v_jd)'s
+            grad = arg.detach() @ grad  # variance sits at the 1e-12 floor, where 1 / Psi is 1e12
+        if i == 9:  # sigma_v^2 likewise: the gradient of its log
+            grad = grad * arg.detach()
         assert float(grad.abs().max()) < 1e-5 * (1 + float(arg.detach().abs().max()))
 
 

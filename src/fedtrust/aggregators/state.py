@@ -264,6 +264,11 @@ def check_state(rule: str, spec: Spec, state: Any) -> Any:
     return spec.check(state, _Where(f"{rule} state", {}))
 
 
+def positive(t: torch.Tensor) -> str | None:
+    """A :class:`Tensor` test for variances (ICOV-VB's sigma_v^2 per latent dimension)."""
+    return None if bool((t > 0).all()) else "must be positive"
+
+
 def symmetric_positive_definite(m: torch.Tensor) -> str | None:
     """A :class:`Tensor` test for covariance matrices (q(v_j)'s Psi)."""
     if not torch.allclose(m, m.mT, rtol=1e-6, atol=0.0):

@@ -52,6 +52,7 @@ from fedtrust.aggregators.state import (
     Tensor,
     check_state,
     copy_tree,
+    positive,
     symmetric_positive_definite,
     symmetric_positive_semidefinite,
 )
@@ -457,7 +458,7 @@ class IcovVB(_WindowRule):
 
     name = "icov_vb"
 
-    def __init__(self, latent_dim: int = 2, noise: str = "per_source", window: int = 10, max_iter: int = 200,
+    def __init__(self, latent_dim: int = 2, noise: str = "per_source", window: int = 10, max_iter: int = 1000,
                  tol: float | None = None, seed: int = 0, sybils: str = "share"):  # fmt: skip
         super().__init__(window, max_iter, tol, sybils)
         self.latent_dim = check_int(f"{self.name}: latent_dim", latent_dim, minimum=1)
@@ -489,7 +490,13 @@ class IcovVB(_WindowRule):
         )
 
     def _shared_spec(self) -> Spec:
-        return Fields(optional={k: Float(positive=True) for k in ("sigma_y2", "sigma_u2", "sigma_v2")})
+        return Fields(
+            optional={
+                "sigma_y2": Float(positive=True),
+                "sigma_u2": Float(positive=True),
+                "sigma_v2": Tensor((self.latent_dim,), test=positive),  # per latent dimension (ARD)
+            }
+        )
 
     def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
         groups = self._groups(round)
@@ -512,9 +519,9 @@ class IcovVB(_WindowRule):
         init["noise"] = groups.pool(self._known(ids, "noise"))
         fit_round = _representatives(round, groups)
         if any(i in self._clients for i in ids):
-            scale = self._shared.get("sigma_v2", 1.0)
-            fresh = latent_init(fit_round.client_ids, d, self.seed, math.sqrt(scale))
-            eye = (torch.eye(d, dtype=torch.float64) * scale).expand(groups.count, d, d)
+            scale = torch.as_tensor(self._shared.get("sigma_v2", 1.0), dtype=torch.float64).expand(d)
+            fresh = latent_init(fit_round.client_ids, d, self.seed, scale.sqrt())
+            eye = torch.diag(scale).expand(groups.count, d, d)
             known = [self._clients.get(i) for i in ids]
             init["V"] = _start(groups, [None if k is None else k["v"] for k in known], fresh)
             init["Psi"] = _start(groups, [None if k is None else k["psi"] for k in known], eye)
