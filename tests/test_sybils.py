@@ -7,7 +7,7 @@ import runs
 import torch
 
 from fedtrust import Round, rule
-from fedtrust.aggregators import Aggregate, available
+from fedtrust.aggregators import Aggregate, available, leaving_out
 from fedtrust.aggregators.sybils import find_groups
 from fedtrust.attacks import AttackContext, attack
 from fedtrust.experiments.runner import build_simulation
@@ -212,18 +212,8 @@ def final_accuracy(rule_name, corruption, colluders=None):
     cfg = runs.config(BASE, rule__name=rule_name, corruption={**corruption, "fraction": 0.3})
     sim = build_simulation(cfg)
     if colluders is not None:
-        inner = sim.rule
         bad = [i for i, b in zip(sim.fed.ids, sim.fed.corrupted.tolist(), strict=True) if b]
-        left_out = set(bad[colluders:])
-
-        def with_fewer(round):
-            keep = [k for k, i in enumerate(round.client_ids) if i not in left_out]
-            out = inner(round.select(keep))
-            weights = torch.zeros(round.n, dtype=out.weights.dtype)
-            weights[keep] = out.weights
-            return Aggregate(out.vector, weights, out.info)
-
-        sim.rule = with_fewer
+        sim.rule = leaving_out(sim.rule, bad[colluders:])
     records = sim.run()
     assert not any(r["error"] for r in records)
     return records[-1]["metrics"]["accuracy"]

@@ -28,9 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
-from fedtrust.aggregators import Aggregate, rule_options
+from fedtrust.aggregators import leaving_out, rule_options
 from fedtrust.experiments.config import validate
 from fedtrust.experiments.runner import build_simulation
 
@@ -76,17 +74,9 @@ def variants(names: list[str]) -> list[tuple[str, dict]]:
 
 def without_corrupted(sim):
     """Leave the corrupted clients' updates out of every round of ``sim``."""
-    inner = sim.rule
-    bad = {i for i, b in zip(sim.fed.ids, sim.fed.corrupted.tolist(), strict=True) if b}
-
-    def rule(round):
-        keep = [k for k, i in enumerate(round.client_ids) if i not in bad]
-        out = inner(round.select(keep))
-        weights = torch.zeros(round.n, dtype=out.weights.dtype)
-        weights[keep] = out.weights
-        return Aggregate(out.vector, weights, out.info)
-
-    sim.rule = rule
+    sim.rule = leaving_out(
+        sim.rule, [i for i, b in zip(sim.fed.ids, sim.fed.corrupted.tolist(), strict=True) if b]
+    )
     return sim
 
 

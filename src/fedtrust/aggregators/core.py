@@ -404,6 +404,21 @@ class BaseRule:
         return f"{type(self).__name__}({opts})"
 
 
+def leaving_out(rule: Rule, client_ids) -> Rule:
+    """``rule`` run on each round without the clients in ``client_ids`` (weight 0 in the aggregate): the
+    "those clients absent" baseline an attack is measured against."""
+    absent = set(client_ids)
+
+    def without(round: Round) -> Aggregate:
+        keep = [k for k, i in enumerate(round.client_ids) if i not in absent]
+        out = rule(round.select(keep))
+        weights = torch.zeros(round.n, dtype=out.weights.dtype, device=out.weights.device)
+        weights[torch.as_tensor(keep, dtype=torch.long, device=out.weights.device)] = out.weights
+        return Aggregate(out.vector, weights, out.info)
+
+    return without
+
+
 def _expand(out: Aggregate, n: int, keep: list[int], quarantined: dict) -> Aggregate:
     idx = torch.as_tensor(keep, device=out.weights.device)
     weights = torch.zeros(n, dtype=out.weights.dtype, device=out.weights.device)
