@@ -95,6 +95,24 @@ def test_one_crafted_vector_sent_by_many_gets_the_trust_of_one_client_sending_it
     assert (out.vector - honest_mean).norm() < 0.5 * (x[14] - honest_mean).norm() / 6
 
 
+@pytest.mark.parametrize("base", ["ivar_mle", "ivar_vb", "icov_vb"])
+def test_copies_neither_sharpen_nor_drag_robust_fedags_posterior(base):
+    """Robust FedAG fits N(mu, sigma^2) with its base rule's trust weights, so the base's sharing reaches
+    the posterior: six copies of honest client 3 leave mean and per-weight variance where the honest
+    round puts them. With every client its own source the copies take the weight and the posterior
+    collapses onto client 3's update (an over-confident predictive, and one client's model)."""
+    x = attacked(HONEST, "mimic", target=3)
+    options = {"base": base, "base_options": OPTIONS.get(base, {})}
+    alone = two_rounds("fedag", HONEST, **options)
+    out = two_rounds("fedag", x, **options)
+    torch.testing.assert_close(out.vector, alone.vector, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.info["posterior_var"], alone.info["posterior_var"], atol=1e-4, rtol=1e-3)
+    if base.startswith("ivar"):
+        off = two_rounds("fedag", x, base=base, base_options={"sybils": "off"})
+        assert off.info["posterior_spread"] < 0.3 * alone.info["posterior_spread"]
+        assert (off.vector - HONEST[3]).norm() < 0.3 * (alone.vector - HONEST[3]).norm()
+
+
 def test_honest_clients_are_not_grouped_and_an_outlier_does_not_make_two_of_them_alike():
     """Independent noisy updates share no vote; nor do two honest clients that are close compared with a
     far outlier (each update's own spread sets the scale, not the round's)."""

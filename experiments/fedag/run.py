@@ -49,9 +49,9 @@ PAPER_BOSTON = {  # Table 2 (NLL), Table 3 (RMSE), Table 4 (DS), mean +- standar
 LR = 0.01  # the paper gives no learning rate; one value for every federated model
 
 
-def fedag(dataset: Dataset, hidden: int | None, rounds: int, seed: int, base: str = "mean", corruption=None,
-          attack_name=None, fraction: float = 0.0, predictive: str = "bootstrap",
-          noise: bool = False) -> Simulation:  # fmt: skip
+def fedag(dataset: Dataset, hidden: int | None, rounds: int, seed: int, base: str = "mean",
+          base_options: dict | None = None, corruption=None, attacker=None, fraction: float = 0.0,
+          predictive: str = "bootstrap", noise: bool = False) -> Simulation:  # fmt: skip
     """FedAG on ``dataset`` split over K = 10 devices (C = 1, B = 1, E = 40), run for ``rounds``;
     ``noise`` adds the data noise 1/beta to the predictive variance (eq 2's p(y | x, w))."""
     model = build_model("mlp", dataset, hidden=hidden) if hidden else build_model("linear", dataset)
@@ -60,9 +60,8 @@ def fedag(dataset: Dataset, hidden: int | None, rounds: int, seed: int, base: st
     )
     settings = TrainSettings(rounds=rounds, local_epochs=40, batch_size=1, lr=LR, predictive=predictive,
                              predictive_noise=noise)  # fmt: skip
-    base_options = {"f": 3} if base == "multi_krum" else {}
-    sim = Simulation(fed, model, rule("fedag", base=base, base_options=base_options), settings, seed,
-                     attack=attack(attack_name) if attack_name else None)  # fmt: skip
+    sim = Simulation(fed, model, rule("fedag", base=base, base_options=base_options or {}), settings, seed,
+                     attack=attacker)  # fmt: skip
     sim.run()
     if sim.failure:  # never print a table from a model no round could update
         raise RuntimeError(f"FedAG run (seed {seed}, base {base}) failed: {sim.failure}")
@@ -201,44 +200,40 @@ def boston(folds: int = 20) -> None:
                 f"target ($1000s). Command: `python experiments/fedag/run.py boston --folds {folds}`.")  # fmt: skip
 
 
-ROBUST_BASES = ["mean", "ivar_vb", "geometric_median", "multi_krum"]
+ROBUST_BASES = {  # row label -> (base rule, its options)
+    "FedAG": ("mean", {}),
+    "robust FedAG (ivar_mle)": ("ivar_mle", {}),
+    "robust FedAG (ivar_vb)": ("ivar_vb", {}),
+    "robust FedAG (geometric_median)": ("geometric_median", {}),
+    "robust FedAG (multi_krum)": ("multi_krum", {"f": 3}),
+}
+# in the sybil scenarios also IVAR-VB with every device its own source (the behaviour before issue 17)
+SYBIL_BASES = {"robust FedAG (ivar_vb, sybils=off)": ("ivar_vb", {"sybils": "off"})}
 
 
 def robust(folds: int = 20) -> None:
     """FedAG fitted with each base rule's trust weights, 3 of 10 devices corrupted: noisy targets
-    (y + N(0, (3 sd(y))^2)) or Gaussian updates (N(0, 1) vectors in place of their models); clean as reference."""
+    (y + N(0, (3 sd(y))^2)), Gaussian updates (N(0, 1) vectors in place of their models), and two sybil
+    attacks: mimic (the three send copies of one honest device's update) and one identical crafted vector
+    (-3 x the honest mean, IPM); clean as reference."""
     scenarios = {"clean": (None, None), "noisy targets (30%)": (data_corruption("target_noise", std=3.0), None),
-                 "Gaussian updates (30%)": (None, "gaussian")}  # fmt: skip
+                 "Gaussian updates (30%)": (None, attack("gaussian")),
+                 "mimic: copies of one device (30%)": (None, attack("mimic")),
+                 "one crafted vector, -3 x mean (30%)": (None, attack("ipm", epsilon=3.0))}  # fmt: skip
     toy_data = cubic_toy()
     table: dict[str, dict[str, list[dict]]] = {}
-    for scenario, (corruption, attack_name) in scenarios.items():
+    for scenario, (corruption, attacker) in scenarios.items():
         fraction = 0.0 if scenario == "clean" else 0.3
-        for base in ROBUST_BASES:
-            name = "FedAG" if base == "mean" else f"robust FedAG ({base})"
+        bases = ROBUST_BASES | (SYBIL_BASES if "mimic" in scenario or "crafted" in scenario else {})
+        for name, (base, options) in bases.items():
             runs = []
             for k, data in enumerate(boston_folds(folds)):
-                sim = fedag(
-                    data,
-                    50,
-                    5,
-                    k,
-                    base=base,
-                    corruption=corruption,
-                    attack_name=attack_name,
-                    fraction=fraction,
-                )
+                sim = fedag(data, 50, 5, k, base=base, base_options=options, corruption=corruption,
+                            attacker=attacker, fraction=fraction)  # fmt: skip
                 runs.append(scores(data, *sim.predictive(data.x_test)))
             table.setdefault(scenario, {})[name] = runs
-            sim = fedag(
-                toy_data,
-                100,
-                5,
-                0,
-                base=base,
-                corruption=corruption,
-                attack_name=attack_name,
-                fraction=fraction,
-            )
+            sim = fedag(toy_data, 100, 5, 0, base=base, base_options=options, corruption=corruption,
+                        attacker=attacker, fraction=fraction)  # fmt: skip
             table[scenario][name + " [toy]"] = [scores(toy_data, *sim.predictive(toy_data.x_test))]
             print(
                 scenario,
