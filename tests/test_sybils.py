@@ -2,6 +2,8 @@
 together, the trust one client would get for the same information, and the aggregate stays where the
 honest clients put it; no rule fails on identical, collinear or rank-deficient rounds."""
 
+import json
+
 import pytest
 import runs
 import torch
@@ -10,7 +12,8 @@ from fedtrust import Round, rule
 from fedtrust.aggregators import Aggregate, available, leaving_out
 from fedtrust.aggregators.sybils import find_groups
 from fedtrust.attacks import AttackContext, attack
-from fedtrust.experiments.runner import build_simulation
+from fedtrust.experiments.runner import build_simulation, run_experiment
+from fedtrust.report import write_report
 
 SHARING = ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb", "focus"]
 #: ICOV at fewer iterations (ICOV-MLE 10 of 5 quasi-Newton steps, ICOV-VB 50): their defaults take
@@ -253,3 +256,28 @@ def test_six_colluders_sending_one_update_end_where_one_of_them_would(name, atta
     six = final_accuracy(name, corruption)
     assert six > one - 0.02, (six, one)
     assert one > 0.6
+
+
+def test_a_run_keeps_each_rounds_groups_and_the_report_counts_them(tmp_path):
+    """Three of six digits clients send copies of client 0's update each round: every round's record in
+    rounds.jsonl lists the group (the four clients, why), and the report says in how many rounds votes
+    were shared; a run without copies adds no such section."""
+    spec = {"name": "t", "data": {"name": "digits", "clients": 6}, "train": {"rounds": 2, "lr": 0.5},
+            "corruption": {"name": "mimic", "target": 0, "fraction": 0.5},
+            "sweep": {"rule": [{"name": "ivar_vb"}, {"name": "ivar_vb", "sybils": "off"}]}}  # fmt: skip
+    run_experiment(runs.config(spec), tmp_path, progress=False)
+    shared, off = (tmp_path / "t" / name for name in ("rule=ivar_vb", "rule=ivar_vb(sybils=off)"))
+    for line in (shared / "rounds.jsonl").open():
+        record = json.loads(line)
+        bad = [c for c, b in zip(record["clients"], record["corrupted"], strict=True) if b]
+        (group,) = record["info"]["groups"]
+        assert len(group["clients"]) == 4 and set(bad) < set(group["clients"])
+        assert group["reason"] == "4 identical updates share one vote"
+    assert all("groups" not in json.loads(line)["info"] for line in (off / "rounds.jsonl").open())
+    text = write_report(tmp_path / "t").read_text()
+    assert "## Identical updates and degenerate rounds" in text
+    assert (
+        "- rule=ivar_vb: in 2 of 2 rounds near-identical updates shared one vote (largest group: 4 clients)"
+        in text
+    )
+    assert "rule=ivar_vb(sybils=off):" not in text

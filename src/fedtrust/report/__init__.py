@@ -98,6 +98,33 @@ def _unconverged(runs: list[Run]) -> list[str]:
     return lines + [""]
 
 
+def _shared_votes(runs: list[Run]) -> list[str]:
+    """A section listing the runs in which groups of near-identical updates shared one vote, or rounds
+    were degenerate (with the first reason); nothing when there are none."""
+    lines = []
+    for r in runs:
+        rounds, largest = r.shared_votes()
+        reasons = r.degenerate()
+        if rounds:
+            lines.append(
+                f"- {r.directory.name}: in {rounds} of {len(r.rounds)} rounds near-identical updates shared "
+                f"one vote (largest group: {largest} clients)"
+            )
+        if reasons:
+            lines.append(f"- {r.directory.name}: {len(reasons)} degenerate rounds; the first: {reasons[0]}")
+    if not lines:
+        return []
+    head = [
+        "## Identical updates and degenerate rounds",
+        "",
+        "Clients whose updates are identical or near-identical (copies, sybils) share one vote in the "
+        "rules that read agreement as reliability; each round lists its groups in `info.groups` in the "
+        "run's rounds.jsonl, and a degenerate round its reason in `info.degenerate`.",
+        "",
+    ]
+    return head + lines + [""]
+
+
 def write_report(directory: str | Path, out: str | Path | None = None, runs: list[Run] | None = None) -> Path:
     """Write ``report.md`` and its PNGs for every run under ``directory`` (into ``out``, default the same
     folder); ``runs``: those runs when the caller has already loaded them. Returns the markdown path."""
@@ -141,6 +168,7 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
         *_markdown_table(*table(runs, Run.corrupted_weight), "rule"),
         "",
         *unconverged,
+        *_shared_votes(runs),
     ]
     for status, title in (
         ("failed", "Failed runs"),

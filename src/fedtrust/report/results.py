@@ -115,6 +115,22 @@ class Run:
         fits = [r["info"]["converged"] for r in self.rounds if "converged" in (r.get("info") or {})]
         return sum(c is False for c in fits), len(fits)
 
+    def shared_votes(self) -> tuple[int, int]:
+        """(rounds in which groups of identical or near-identical updates shared one vote, the largest
+        such group's size): read from each round's ``info["groups"]`` (IVAR/ICOV and FOCUS with
+        ``sybils="share"``, robust FedAG over them)."""
+        sizes = [
+            max(len(g["clients"]) for g in r["info"]["groups"])
+            for r in self.rounds
+            if (r.get("info") or {}).get("groups")
+        ]
+        return len(sizes), max(sizes, default=0)
+
+    def degenerate(self) -> list[str]:
+        """The reasons recorded by rounds a rule found degenerate (``info["degenerate"]``: all updates
+        identical, or IVAR-MLE's fit reaching its variance floor), one per round."""
+        return [r["info"]["degenerate"] for r in self.rounds if (r.get("info") or {}).get("degenerate")]
+
 
 def is_replicate(path: str) -> bool:
     """Swept seeds (the run's, a dataset's) make replicates of one setting, not settings."""

@@ -369,17 +369,21 @@ def final_metrics(records: list[dict]) -> dict | None:
 
 
 def _json_scalars(info: dict[str, Any]) -> dict[str, Any]:
-    """The JSON-friendly part of a rule's info: numbers, strings, bools and short lists of them."""
-    out = {}
-    for k, v in info.items():
-        if k in ("clients", "quarantined"):
-            continue
-        if isinstance(v, bool | int | float | str) or v is None:
-            out[k] = v
-        elif (
-            isinstance(v, list | tuple)
-            and len(v) <= 1000
-            and all(isinstance(e, bool | int | float | str) for e in v)
-        ):
-            out[k] = list(v)
-    return out
+    """The JSON-friendly part of a rule's info: numbers, strings, bools, and lists (at most 1000 long) or
+    string-keyed dicts of them, nested (a sybil rule's ``groups``: ``[{"clients": [...], "reason": ...}]``);
+    tensors are left out."""
+    return {
+        k: list(v) if isinstance(v, tuple) else v
+        for k, v in info.items()
+        if k not in ("clients", "quarantined") and _plain(v)
+    }
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, bool | int | float | str) or v is None:
+        return True
+    if isinstance(v, list | tuple):
+        return len(v) <= 1000 and all(_plain(e) for e in v)
+    if isinstance(v, dict):
+        return len(v) <= 1000 and all(isinstance(k, str) and _plain(e) for k, e in v.items())
+    return False
