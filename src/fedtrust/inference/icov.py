@@ -294,9 +294,9 @@ class IcovVbPast:
 
 
 #: ICOV-VB's ARD prior prunes latent dimension d once sigma_u^2 sigma_v^2_d, what it adds to the
-#: covariance, falls below PRUNE times the mean noise variance: it shrinks by a constant factor per
-#: update towards the floor (a straight line in its log, hundreds of updates), and the floor is where it
-#: is going (Tipping's relevance vector machine prunes a basis function the same way).
+#: covariance, falls below PRUNE times the mean noise variance: an unneeded dimension's variance heads to
+#: 0 (MacKay's update shrinks it by a growing factor per sweep), and the floor is where it is going
+#: (Tipping's relevance vector machine prunes a basis function the same way).
 PRUNE = 1e-6
 
 
@@ -371,7 +371,8 @@ def icov_vb(
 
     Eq 23 as printed pairs Psi_i with Phi_j; the expectation E[(u_ik' v_j)^2] it stands for is
     tr((Phi_i + ubar ubar')(Psi_j + vbar vbar')) (Phi belongs to the task, Psi to the source), used here.
-    The free energy never decreases.
+    With ard=False every block update (eqs 14-23) maximises the free energy in its block, so it never
+    decreases; with ARD the prior variances take MacKay's update (below), which may dip it in a sweep.
 
     The consensus is Algorithm 2's (line 3): the inverse-covariance weighting of eq 3 under the fitted
     Sigma = sigma_u^2 E[V V'] + diag(sigma_j^2), weights summing to 1 (a correlated source can get a
@@ -388,6 +389,13 @@ def icov_vb(
     which cannot switch one off: the spare dimensions then fit the honest sources' noise as correlations
     and eq 3's weights suffer (one colluding group of 5 among 12 sources: RMSE 1.2-1.4x the true
     covariance's at D = 2, 1.07-1.11x with ARD, as with D = 1; experiments/ivar_icov/collusion.py).
+    Eq 22 per dimension, sigma_v^2_d = mean_j (Psi_j,dd + vbar_jd^2), moves an unneeded dimension towards
+    0 by a factor of about 1 - gamma_d / J per sweep, where gamma_d = sum_j (1 - Psi_j,dd / sigma_v^2_d)
+    counts the loadings the data determine (few, for such a dimension): thousands of sweeps. Its fixed
+    point, rearranged, is MacKay's update sigma_v^2_d = sum_j vbar_jd^2 / gamma_d (MacKay 1992,
+    "Bayesian interpolation", eq 4.22; Tipping 2001, eq 16 for the relevance vector machine), which has the
+    same fixed points and reaches them in 3-6x fewer sweeps on the collusion data (e.g. 2735 -> 440, the
+    same weights); ARD uses it.
 
     latent_dim: D. source_keys: ids seeding each source's starting factors. init: {"V", "Psi", "noise",
     "sigma_y2", "sigma_u2", "sigma_v2"} to warm-start. past: earlier tasks' statistics.
@@ -464,8 +472,11 @@ def icov_vb(
         n_tasks = len(stats.yterm)
         sy2 = float(stats.yterm.sum()) / (k * n_tasks)
         su2 = float(stats.uterm.sum()) / (d * k * n_tasks)
-        second = (psi.diagonal(dim1=1, dim2=2) + v.square())[active]  # E[v_jd^2] (J, D)
-        sv2 = second.mean(0) if ard else second.mean().expand(d)
+        if ard:  # eq 22's fixed point per dimension, rearranged as MacKay's update (see the docstring)
+            gamma = (1.0 - psi.diagonal(dim1=1, dim2=2)[active] / sv2).sum(0)
+            sv2 = v[active].square().sum(0) / gamma.clamp_min(torch.finfo(torch.float64).tiny)
+        else:
+            sv2 = (psi.diagonal(dim1=1, dim2=2) + v.square())[active].mean().expand(d)  # E[v_jd^2]
         su2, sv2 = state.floored(su2, sv2, s2)
         if ard:  # a latent dimension whose variance no longer matters is pruned: set at its limit, the floor
             gone = su2 * sv2 < PRUNE * float(s2[active].mean())
