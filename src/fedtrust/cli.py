@@ -129,7 +129,10 @@ def infer(
     ),
     latent_dim: int = typer.Option(2, min=1, help="Latent dimension D (ICOV)."),
     max_iter: int | None = typer.Option(
-        None, "--max-iter", min=1, help="Most iterations (default: the method's, 100 or 200)."
+        None,
+        "--max-iter",
+        min=1,
+        help="Most iterations (default: the method's: 200 for IVAR, 100 for ICOV-MLE, 1000 for ICOV-VB).",
     ),
     tol: float | None = typer.Option(
         None,
