@@ -1,5 +1,6 @@
 """Each update attack sends what its paper says."""
 
+import math
 from statistics import NormalDist
 
 import pytest
@@ -66,6 +67,18 @@ def test_mimic_copies_the_benign_client_furthest_along_the_top_variance_directio
     assert torch.equal(attack("mimic", target=9)(ctx), benign[9 % 7].expand(3, -1))
     with pytest.raises(ValueError, match="attack mimic: target must be one of 'variance'; got 'max'"):
         attack("mimic", target="max")
+
+
+def test_mimic_never_copies_an_honest_client_whose_training_diverged():
+    """A benign update with a NaN (local training that diverged, which every rule quarantines) is no one
+    to copy, and it must not break the choice of whom to copy (found on FedAG's cubic toy)."""
+    ctx = context(n=10, bad=3, d=6)
+    ctx.updates[3, 2] = math.nan  # the first benign client (the first three are the attackers)
+    finite = ctx.benign[1:]
+    sent = attack("mimic")(ctx)
+    assert torch.isfinite(sent).all()
+    assert any(torch.equal(sent[0], row) for row in finite)
+    assert torch.equal(attack("mimic", target=0)(ctx), finite[0].expand(3, -1))
 
 
 def test_crash_sends_non_finite_values():

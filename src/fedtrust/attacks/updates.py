@@ -141,7 +141,8 @@ class Mimic:
     updates' top principal direction z, i* = argmax_i |<z, x_i - mean>| (the paper fixes i* after a
     warm-up; here it is chosen afresh each round from that round's benign updates, from their centred
     Gram matrix: z's scores are the top eigenvector of G, so no d-sized SVD). An integer ``target`` k
-    copies the k-th benign client of the round (modulo their number)."""
+    copies the k-th benign client of the round (modulo their number). Benign updates that are not finite
+    (local training that diverged) are never copied."""
 
     uses_own_update = False
     colluding = True
@@ -163,6 +164,9 @@ class Mimic:
 
     def __call__(self, ctx: AttackContext) -> torch.Tensor:
         benign = ctx.benign if len(ctx.benign) else ctx.updates
+        finite = torch.isfinite(benign).all(1)
+        if bool(finite.any()):  # an honest client whose training diverged (NaN) is no one to copy
+            benign = benign[finite]
         return benign[self.choose(benign)].expand(int(ctx.bad.sum()), -1).clone()
 
 
