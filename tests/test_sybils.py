@@ -2,7 +2,9 @@
 together, the trust one client would get for the same information, and the aggregate stays where the
 honest clients put it; no rule fails on identical, collinear or rank-deficient rounds."""
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import runs
@@ -12,6 +14,7 @@ from fedtrust import Round, rule
 from fedtrust.aggregators import Aggregate, available, leaving_out
 from fedtrust.aggregators.sybils import find_groups
 from fedtrust.attacks import AttackContext, attack
+from fedtrust.experiments.config import validate
 from fedtrust.experiments.runner import build_simulation, run_experiment
 from fedtrust.report import write_report
 
@@ -213,24 +216,23 @@ def test_no_rule_fails_on_identical_collinear_or_rank_deficient_updates(name, ca
 
 # ---------------------------------------------------------------- short simulations
 
-BASE = {
-    "name": "sybils",
-    "data": {
-        "name": "digits",
-        "clients": 20,
-        "partition": {"name": "dirichlet", "alpha": 0.5},
-        "benchmark": 0.05,
-    },
-    "model": {"name": "softmax"},
-    "train": {"rounds": 12, "lr": 0.5, "batch_size": 32},
-}
-ATTACKS = {"mimic": {"name": "mimic", "target": 0}, "ipm3": {"name": "ipm", "epsilon": 3.0}}
+
+def _sybils_experiment():
+    """experiments/ivar_icov/sybils.py, whose federation these runs share (at fewer rounds)."""
+    path = Path(__file__).parent.parent / "experiments" / "ivar_icov" / "sybils.py"
+    spec = importlib.util.spec_from_file_location("sybils_experiment", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def final_accuracy(rule_name, corruption, colluders=None):
-    """Final test accuracy of the run; ``colluders=1``: the same run (same data, same training noise) with
-    every colluder's update but the first left out of every round."""
-    cfg = runs.config(BASE, rule__name=rule_name, corruption={**corruption, "fraction": 0.3})
+EXPERIMENT = _sybils_experiment()
+
+
+def final_accuracy(rule_name, attack_name, colluders=None):
+    """Final test accuracy of the experiment's run at 12 rounds, seed 0; ``colluders=1``: the same run
+    (same data, same training noise) with every colluder's update but the first left out of every round."""
+    cfg = validate(EXPERIMENT.config({"name": rule_name}, attack_name, seed=0, rounds=12))
     sim = build_simulation(cfg)
     if colluders is not None:
         bad = [i for i, b in zip(sim.fed.ids, sim.fed.corrupted.tolist(), strict=True) if b]
@@ -251,9 +253,8 @@ def test_six_colluders_sending_one_update_end_where_one_of_them_would(name, atta
     0.1-0.55 here; clean runs end at 0.89-0.93). ICOV-MLE (over a second a round here) and ICOV-VB under
     mimic are left to the round-level tests above (a group of exact copies is the one client it copies)
     and to experiments/ivar_icov/sybils.py."""
-    corruption = ATTACKS[attack_name]
-    one = final_accuracy(name, corruption, colluders=1)
-    six = final_accuracy(name, corruption)
+    one = final_accuracy(name, attack_name, colluders=1)
+    six = final_accuracy(name, attack_name)
     assert six > one - 0.02, (six, one)
     assert one > 0.6
 
