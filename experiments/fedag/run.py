@@ -216,15 +216,17 @@ def robust(folds: int = 20) -> None:
     (y + N(0, (3 sd(y))^2)), Gaussian updates (N(0, 1) vectors in place of their models), and two sybil
     attacks: mimic (the three send copies of one honest device's update) and one identical crafted vector
     (-3 x the honest mean, IPM); clean as reference."""
-    scenarios = {"clean": (None, None), "noisy targets (30%)": (data_corruption("target_noise", std=3.0), None),
-                 "Gaussian updates (30%)": (None, attack("gaussian")),
-                 "mimic: copies of one device (30%)": (None, attack("mimic")),
-                 "one crafted vector, -3 x mean (30%)": (None, attack("ipm", epsilon=3.0))}  # fmt: skip
+    # scenario -> (data corruption, update attack, whether the corrupted devices send one update between them)
+    scenarios = {"clean": (None, None, False),
+                 "noisy targets (30%)": (data_corruption("target_noise", std=3.0), None, False),
+                 "Gaussian updates (30%)": (None, attack("gaussian"), False),
+                 "mimic: copies of one device (30%)": (None, attack("mimic"), True),
+                 "one crafted vector, -3 x mean (30%)": (None, attack("ipm", epsilon=3.0), True)}  # fmt: skip
     toy_data = cubic_toy()
     table: dict[str, dict[str, list[dict]]] = {}
-    for scenario, (corruption, attacker) in scenarios.items():
+    for scenario, (corruption, attacker, sybils) in scenarios.items():
         fraction = 0.0 if scenario == "clean" else 0.3
-        bases = ROBUST_BASES | (SYBIL_BASES if "mimic" in scenario or "crafted" in scenario else {})
+        bases = ROBUST_BASES | (SYBIL_BASES if sybils else {})
         for name, (base, options) in bases.items():
             runs = []
             for k, data in enumerate(boston_folds(folds)):
