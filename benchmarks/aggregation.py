@@ -31,7 +31,7 @@ import torch
 
 import fedtrust
 from fedtrust import Round, rule
-from fedtrust.aggregators import RULES
+from fedtrust.rules import RULES
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peers import peers_for  # noqa: E402

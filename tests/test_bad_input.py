@@ -10,7 +10,8 @@ from conftest import dtype_tol
 from test_rule_properties import OPTIONS, benchmark_loss, make
 
 from fedtrust import NoValidUpdates, Round, available, rule
-from fedtrust.aggregators import UnknownRuleError
+from fedtrust.aggregators.screening import has_first_pass
+from fedtrust.rules import UnknownRuleError
 
 
 @pytest.mark.parametrize(
@@ -212,17 +213,20 @@ def test_every_rule_builds_with_defaults_and_says_where_it_comes_from(name):
     assert isinstance(r.state_dict(), dict)
 
 
-SCREEN_IN_FIRST_PASS = [name for name in available() if rule(name).screens_in_first_pass]
+SCREEN_IN_FIRST_PASS = [name for name in available() if has_first_pass(rule(name))]
 
 
 def test_which_rules_screen_in_their_first_pass():
-    """Every rule whose first pass can take the norms before it uses them. The mean and FedAvg screen by
-    their result; ARFL, FOCUS, CFL and FedAG pay a screening pass of their own."""
-    assert not rule("mean").screens_in_first_pass and rule("mean").screen_by_result
+    """Every rule whose first pass can take the norms before it uses them declares ``first_pass``; the
+    mean and FedAvg screen by their result (``FirstPass.finite``), FedAG by its base rule's pass. ARFL,
+    FOCUS and CFL read the norms the front door's own screening pass takes."""
     assert set(SCREEN_IN_FIRST_PASS) == {
         "geometric_median", "centered_clipping", "ivar_mle", "ivar_vb", "icov_mle", "icov_vb",
-        "krum", "multi_krum", "bulyan", "median", "trimmed_mean",
+        "krum", "multi_krum", "bulyan", "median", "trimmed_mean", "mean", "fedavg", "fedag",
     }  # fmt: skip
+    x = torch.randn(4, 6)
+    first = rule("mean").first_pass(Round(updates=x))
+    assert first.norms is None and first.finite
 
 
 @pytest.mark.parametrize("name", SCREEN_IN_FIRST_PASS)
@@ -233,8 +237,7 @@ def test_a_rule_that_screens_in_its_first_pass_costs_no_screening_pass_and_quara
     """On a clean round the front door takes no norms itself: the rule's first pass hands them over. On a
     poisoned round the rule is stopped after that pass and run on the rest: over two rounds its
     aggregate and trust weights equal the clean clients' alone (its state was not touched by the stopped
-    run), and its ``aggregate`` called directly on the poisoned round refuses it. The quarantined client
-    counts against a Byzantine budget f, as always.
+    run). The quarantined client counts against a Byzantine budget f, as always.
 
     "Equal" for an iterative rule means within its stopping tolerance of the same fixed point: the two
     paths take the norms in differently sized chunks (the screening sees n clients, the rule's pass
@@ -251,8 +254,11 @@ def test_a_rule_that_screens_in_its_first_pass_costs_no_screening_pass_and_quara
     rounds = [torch.randn(n, 50, generator=g) + 0.1 * k for k in range(2)]
     clean_round = Round(updates=rounds[0])
     rule(name, **options)(clean_round)
-    assert not screening and "norms" in vars(clean_round)
-    torch.testing.assert_close(clean_round.norms, rounds[0].double().norm(dim=1), **dtype_tol(torch.float32))
+    assert not screening
+    first = rule(name, **options).first_pass(clean_round)
+    if first.norms is not None:
+        exact = rounds[0].double().norm(dim=1)
+        torch.testing.assert_close(first.norms, exact, **dtype_tol(torch.float32))
 
     poisoned, clean = rule(name, **options), rule(name, **clean_options)
     keep = [i for i in range(n) if i != 3]
@@ -265,8 +271,6 @@ def test_a_rule_that_screens_in_its_first_pass_costs_no_screening_pass_and_quara
         scale = float(x[keep].abs().max())
         torch.testing.assert_close(out.vector, ref.vector, **dtype_tol(x.dtype, 4, scale))
         torch.testing.assert_close(out.weights[keep], ref.weights, **dtype_tol(x.dtype, 4))
-    with pytest.raises(core.UnscreenedUpdates, match="call the rule itself"):
-        rule(name, **options).aggregate(Round(updates=bad))
 
 
 # ---------------------------------------------------------------- degenerate weights (issue 16, item 6)

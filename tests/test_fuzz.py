@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import fedtrust.inference.rules as inference_rules
 from fedtrust import Round, rule
-from fedtrust.aggregators import Aggregate, BaseRule, NoValidUpdates, available
+from fedtrust.aggregators import Aggregate, BaseRule, NoValidUpdates
+from fedtrust.rules import available
 
 #: Fewer iterations for the iterative fits: robustness, not accuracy, is under test.
 FAST = {

@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-
 from golden import record
 
 GOLDEN = json.loads(record.OUTPUTS.read_text())
@@ -32,7 +31,11 @@ def differences(recorded, now, rtol: float, atol: float, path: str = "") -> list
     if isinstance(recorded, list) and isinstance(now, list):
         if len(recorded) != len(now):
             return [f"{path}: {len(recorded)} entries recorded, {len(now)} now"]
-        return [m for i, (a, b) in enumerate(zip(recorded, now)) for m in differences(a, b, rtol, atol, f"{path}[{i}]")]
+        return [
+            m
+            for i, (a, b) in enumerate(zip(recorded, now, strict=True))
+            for m in differences(a, b, rtol, atol, f"{path}[{i}]")
+        ]
     if isinstance(recorded, bool | str) or recorded is None or isinstance(now, bool | str) or now is None:
         return [] if recorded == now else [f"{path}: recorded {recorded!r}, now {now!r}"]
     if math.isclose(float(now), float(recorded), rel_tol=rtol, abs_tol=atol):
@@ -68,7 +71,7 @@ def test_every_rule_trains_the_recorded_short_simulation(name, options):
 
 
 def test_the_golden_file_covers_every_registered_rule():
-    from fedtrust.aggregators import RULES
+    from fedtrust.rules import RULES
 
     recorded = {case.split("/")[-1].split(",")[0] for case in GOLDEN["rules"]}
     assert recorded == set(RULES)

@@ -51,7 +51,7 @@ def test_float32_distances_match_float64_reference_under_huge_outliers(seed, mag
     honest = torch.randn(8, 200, generator=g, dtype=torch.float64)
     outliers = magnitude * torch.randn(3, 200, generator=g, dtype=torch.float64)
     x64 = torch.cat([outliers, honest]) + shift
-    got = pairwise_sq_distances(x64.float())
+    got, _ = pairwise_sq_distances(x64.float())
     want = torch.as_tensor(ref.sq_dist(x64.float().double().numpy()))
     honest_block = slice(3, 11)
     torch.testing.assert_close(
@@ -77,7 +77,7 @@ def test_the_selection_fast_path_agrees_with_sorting(n, d, data, dtype, small_ch
     lo = data.draw(st.integers(0, n - 1))
     hi = data.draw(st.integers(lo + 1, n))
     x = torch.randn(n, d, generator=torch.Generator().manual_seed(n * 1000 + d), dtype=dtype)
-    values, weights = rank_window(x, lo, hi)
+    values, weights, _ = rank_window(x, lo, hi)
     want_values, want_weights = rank_window_by_sort(x, lo, hi)
     torch.testing.assert_close(values, want_values)
     torch.testing.assert_close(weights, want_weights)  # no ties: the same slots
@@ -89,17 +89,17 @@ def test_clients_tied_at_the_median_share_its_weight_evenly():
     honest = torch.tensor([[-2.0, 5.0], [-1.0, 6.0], [3.0, 9.0], [4.0, 10.0]])
     same = torch.tensor([[0.5, 7.0]]).expand(3, 2)
     x = torch.cat([honest, same])
-    values, weights = rank_window(x, 3, 4)  # the median of 7
+    values, weights, _ = rank_window(x, 3, 4)  # the median of 7
     torch.testing.assert_close(values, torch.tensor([0.5, 7.0]))
     torch.testing.assert_close(weights, torch.tensor([0, 0, 0, 0, 1 / 3, 1 / 3, 1 / 3]))
     perm = torch.tensor([4, 0, 5, 1, 2, 6, 3])
-    _, permuted = rank_window(x[perm], 3, 4)
+    _, permuted, _ = rank_window(x[perm], 3, 4)
     torch.testing.assert_close(permuted, weights[perm])
     # a window whose upper cut falls inside the tied block: ranks 1-3 hold -1 and two of the three 0.5s
-    _, cut = rank_window(x, 1, 4)
+    _, cut, _ = rank_window(x, 1, 4)
     torch.testing.assert_close(cut * 3, torch.tensor([0, 1, 0, 0, 2 / 3, 2 / 3, 2 / 3]))
     x2 = torch.tensor([[1.0], [1.0], [1.0], [2.0], [0.0]])
-    _, w2 = rank_window(x2, 0, 2)  # ranks 0, 1: 0.0 and one of the three 1.0s
+    _, w2, _ = rank_window(x2, 0, 2)  # ranks 0, 1: 0.0 and one of the three 1.0s
     torch.testing.assert_close(w2, torch.tensor([1 / 6, 1 / 6, 1 / 6, 0.0, 0.5]))
     assert x2[:, 0].tolist() == [1.0, 1.0, 1.0, 2.0, 0.0]  # the input is never reordered in place
 
@@ -220,15 +220,13 @@ def test_combination_passes_give_exact_distances(common, shape, monkeypatch):
 
 
 def test_a_rounds_norms_are_taken_once_and_follow_a_selection():
-    """The front door's screening takes the updates' norms (float64 sums of chunked float32 norms); rules
-    reuse them, and a round restricted to the clean clients carries them over instead of a new pass."""
+    """The front door's screening takes the updates' norms (float64 sums of chunked float32 norms) once;
+    rules reuse them, and a round restricted to some clients has theirs."""
     x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(1)) * 3 + 1
     r = Round(updates=x)
     torch.testing.assert_close(r.norms, x.double().norm(dim=1), rtol=1e-6, atol=0)
     assert r.norms is r.norms
-    clean = r.select([3, 1])
-    assert "norms" in vars(clean)
-    torch.testing.assert_close(clean.norms, r.norms[[3, 1]])
+    torch.testing.assert_close(r.select([3, 1]).norms, r.norms[[3, 1]])
 
 
 def test_the_passes_that_screen_hand_over_each_rows_norm(monkeypatch):
@@ -237,12 +235,14 @@ def test_the_passes_that_screen_hand_over_each_rows_norm(monkeypatch):
     monkeypatch.setattr(kernels, "SELECT_CHUNK_BYTES", 15 * 4 * 64)  # blocks of 64 columns
     x = torch.randn(15, 1000, generator=torch.Generator().manual_seed(3)) * 3 + 1
     exact = x.double().norm(dim=1)
-    got = []
-    kernels.rank_window(x, 3, 12, got.append)
-    kernels.pairwise_sq_distances(x, got.append)
-    kernels.CombinationPasses(x, on_norms=got.append)(torch.full((15,), 1 / 15, dtype=torch.float64))
-    kernels.CombinationPasses(x, on_norms=got.append).norms()
-    assert len(got) == 4
+    fused = kernels.CombinationPasses(x)
+    fused(torch.full((15,), 1 / 15, dtype=torch.float64))
+    got = [
+        kernels.rank_window(x, 3, 12)[2],
+        kernels.pairwise_sq_distances(x)[1],
+        fused.norms(),  # taken by the fused pass, not by a pass of their own
+        kernels.CombinationPasses(x).norms(),
+    ]
     for norms in got:
         torch.testing.assert_close(norms, exact, rtol=1e-6, atol=0)
 
@@ -251,9 +251,8 @@ def test_the_passes_that_screen_hand_over_each_rows_norm(monkeypatch):
     blocks = []
     window = kernels._window_block
     monkeypatch.setattr(kernels, "_window_block", lambda b, lo, hi: blocks.append(1) or window(b, lo, hi))
-    got.clear()
-    kernels.rank_window(bad, 3, 12, got.append)
-    assert torch.isnan(got[0][4]) and torch.isfinite(got[0][[0, 1, 2, 3, 5]]).all()
+    norms = kernels.rank_window(bad, 3, 12)[2]
+    assert torch.isnan(norms[4]) and torch.isfinite(norms[[0, 1, 2, 3, 5]]).all()
     assert len(blocks) < 16
 
 

@@ -10,8 +10,9 @@ import torch
 from conftest import assert_tree_equal
 
 from fedtrust import Round, rule
-from fedtrust.aggregators import BaseRule, available
+from fedtrust.aggregators import BaseRule
 from fedtrust.checkpoint import load_state, save_state
+from fedtrust.rules import available
 
 D = 5
 

@@ -174,7 +174,7 @@ def test_a_rule_error_skips_the_round_and_the_run_goes_on_and_fails_when_no_roun
     sim = build_simulation(config(rule__name="krum", rule__f=0.45))
     records = sim.run()
     assert len(records) == 6 and all("krum: needs n > 2f + 2 clients" in r["error"] for r in records)
-    assert sim.failure.startswith("no round could be aggregated: all 6 failed (ValueError: krum: needs")
+    assert sim.failure.startswith("no round could be aggregated: all 6 failed (RoundRefused: krum: needs")
 
 
 def test_partial_participation_samples_the_requested_share():

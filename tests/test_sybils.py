@@ -11,12 +11,13 @@ import runs
 import torch
 
 from fedtrust import Round, rule
-from fedtrust.aggregators import Aggregate, available, leaving_out
+from fedtrust.aggregators import Aggregate, leaving_out
 from fedtrust.aggregators.sybils import find_groups
 from fedtrust.attacks import AttackContext, attack
 from fedtrust.experiments.config import validate
 from fedtrust.experiments.runner import build_simulation, run_experiment
 from fedtrust.report import write_report
+from fedtrust.rules import available
 
 SHARING = ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb", "focus"]
 #: ICOV at fewer iterations (ICOV-MLE 10 of 5 quasi-Newton steps, ICOV-VB 50): their defaults take
@@ -133,9 +134,9 @@ def test_copies_neither_sharpen_nor_drag_robust_fedags_posterior(base):
 def test_honest_clients_are_not_grouped_and_an_outlier_does_not_make_two_of_them_alike():
     """Independent noisy updates share no vote; nor do two honest clients that are close compared with a
     far outlier (each update's own spread sets the scale, not the round's)."""
-    assert find_groups(Round(updates=HONEST)).trivial
+    assert find_groups(HONEST).trivial
     x = torch.tensor([[0.0, 0.0], [0.1, -0.1], [5.0, 5.0]])
-    assert find_groups(Round(updates=x)).trivial
+    assert find_groups(x).trivial
 
 
 def test_the_window_state_follows_each_member_as_groups_form_and_dissolve():

@@ -7,7 +7,17 @@ out.vector, out.weights, out.info
 
 from importlib.metadata import version as _version
 
-from fedtrust.aggregators import Aggregate, NoValidUpdates, Round, available, rule
+from fedtrust.aggregators import Aggregate, NoValidUpdates, Round, RoundRefused
+from fedtrust.rules import available, register, rule
 
 __version__ = _version("fedtrust")
-__all__ = ["Aggregate", "NoValidUpdates", "Round", "__version__", "available", "rule"]
+__all__ = [
+    "Aggregate",
+    "NoValidUpdates",
+    "Round",
+    "RoundRefused",
+    "__version__",
+    "available",
+    "register",
+    "rule",
+]

@@ -145,9 +145,9 @@ def infer(
     from rich.console import Console
     from rich.table import Table
 
-    from fedtrust._registry import UnknownNameError, lookup
     from fedtrust.inference import METHODS
     from fedtrust.inference.csvio import read_estimates, write_results
+    from fedtrust.registry import UnknownNameError, lookup
 
     if out.is_dir():
         raise _fail(f"--out {out} is a folder; give the consensus CSV's file name (e.g. {out}/consensus.csv)")
@@ -189,8 +189,8 @@ def rules() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from fedtrust._registry import lookup
-    from fedtrust.aggregators import RULES, rule_options
+    from fedtrust.registry import lookup
+    from fedtrust.rules import RULES, rule_options
 
     table = Table(title="fedtrust rules")
     for col in ("name", "options (default)", "source"):

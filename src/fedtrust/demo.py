@@ -13,11 +13,11 @@ import shutil
 import time
 from pathlib import Path
 
-from fedtrust.aggregators import RULES
 from fedtrust.experiments.config import validate
 from fedtrust.experiments.runner import run_experiment
 from fedtrust.report import load_runs, write_report
 from fedtrust.report.results import Run, table
+from fedtrust.rules import RULES
 
 #: Byzantine budgets for the rules that take one: the corrupted share, as far as each rule allows.
 RULE_OPTIONS = {

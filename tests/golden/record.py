@@ -158,7 +158,9 @@ def rule_outputs() -> dict:
                         results.append({"error": f"{type(exc).__name__}: {exc}"})
                         continue
                     info = {k: v for k, v in agg.info.items() if k not in SKIP_INFO}
-                    results.append({"vector": plain(agg.vector), "weights": plain(agg.weights), "info": plain(info)})
+                    results.append(
+                        {"vector": plain(agg.vector), "weights": plain(agg.weights), "info": plain(info)}
+                    )
                 out[f"{str(dtype)[6:]}/{fixture}/{label(name, options)}"] = results
     return out
 
@@ -166,9 +168,21 @@ def rule_outputs() -> dict:
 def sim_config(name: str, options: dict) -> dict:
     return {
         "name": "golden",
-        "data": {"name": "digits", "clients": 8, "partition": {"name": "dirichlet", "alpha": 1.0}, "benchmark": 0.05},
+        "data": {
+            "name": "digits",
+            "clients": 8,
+            "partition": {"name": "dirichlet", "alpha": 1.0},
+            "benchmark": 0.05,
+        },
         "model": {"name": "softmax"},
-        "train": {"rounds": 3, "local_epochs": 1, "batch_size": 32, "lr": 0.5, "eval_every": 1, "fraction": 0.75},
+        "train": {
+            "rounds": 3,
+            "local_epochs": 1,
+            "batch_size": 32,
+            "lr": 0.5,
+            "eval_every": 1,
+            "fraction": 0.75,
+        },
         "corruption": {"name": "label_flip", "fraction": 0.25},
         "rule": {"name": name, **options},
         "seed": 3,
@@ -204,15 +218,21 @@ def deviations(a, b, path: str = "") -> list[tuple[float, str]]:
     if isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
             return [(math.inf, f"{path}: length {len(a)} != {len(b)}")]
-        return [x for i, (u, v) in enumerate(zip(a, b)) for x in deviations(u, v, f"{path}[{i}]")]
+        return [
+            x for i, (u, v) in enumerate(zip(a, b, strict=True)) for x in deviations(u, v, f"{path}[{i}]")
+        ]
     if isinstance(a, bool | str) or a is None or isinstance(b, bool | str) or b is None:
         return [] if a == b else [(math.inf, f"{path}: {a!r} != {b!r}")]
     return [(abs(float(a) - float(b)), path)] if a != b else []
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--compare", action="store_true", help="compare with the recorded file, write nothing")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--compare", action="store_true", help="compare with the recorded file, write nothing"
+    )
     args = parser.parse_args()
     now = json.loads(json.dumps(record()))
     if not args.compare:

@@ -1,27 +1,26 @@
-"""Aggregation rules over the core contract ``Round -> rule -> Aggregate``."""
+"""Aggregation rules over the core contract ``Round -> rule -> Aggregate``. Rules are found by name in
+:mod:`fedtrust.rules` (``fedtrust.rule("krum", f=2)``), which sits above this package."""
 
+from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import (
     Aggregate,
-    BaseRule,
     NoValidUpdates,
     Round,
+    RoundRefused,
     Rule,
     StatefulRule,
     leaving_out,
 )
-from fedtrust.aggregators.registry import RULES, UnknownRuleError, available, rule, rule_options
+from fedtrust.aggregators.screening import FirstPass
 
 __all__ = [
-    "RULES",
     "Aggregate",
-    "leaving_out",
     "BaseRule",
+    "FirstPass",
     "NoValidUpdates",
     "Round",
+    "RoundRefused",
     "Rule",
     "StatefulRule",
-    "UnknownRuleError",
-    "available",
-    "rule",
-    "rule_options",
+    "leaving_out",
 ]

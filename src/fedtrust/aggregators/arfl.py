@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from fedtrust._checks import check_choice, check_float
-from fedtrust.aggregators.core import Aggregate, BaseRule, NoValidUpdates, Round
+from fedtrust.aggregators.base import BaseRule
+from fedtrust.aggregators.core import Aggregate, NoValidUpdates, Round, RoundRefused
 from fedtrust.aggregators.kernels import weighted_sum
 from fedtrust.aggregators.reports import DEFENCES, defend
 from fedtrust.aggregators.state import Dict, Fields, Float, check_state
@@ -130,13 +131,13 @@ class ARFL(BaseRule):
         lam = self.lam * float(samples.sum())
         alpha, p = arfl_weights(losses, samples, lam)
         if not bool(torch.isfinite(alpha).all()):
-            raise ValueError(
+            raise RoundRefused(
                 f"{self.name}: the clients' train_loss values (from {float(losses.min()):.3g} to "
                 f"{float(losses.max()):.3g}) are too far apart to weigh in float64"
             )
         return dict(zip(ids, alpha.tolist(), strict=True)), p, lam, alpha, losses, samples
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
+    def aggregate(self, round: Round) -> Aggregate:
         reported = defend(self.defence, round, round.metrics["train_loss"])
         ids = round.client_ids
         counts = round.num_samples.tolist()

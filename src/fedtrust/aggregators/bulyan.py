@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedtrust.aggregators.core import Aggregate, BaseRule, Round, byzantine_budget, check_f
+from fedtrust.aggregators.base import BaseRule
+from fedtrust.aggregators.core import Aggregate, Round, byzantine_budget, check_f
 from fedtrust.aggregators.kernels import (
     coordinatewise,
     map_column_blocks,
@@ -15,6 +16,7 @@ from fedtrust.aggregators.kernels import (
 )
 from fedtrust.aggregators.krum import krum_order
 from fedtrust.aggregators.median import median_window
+from fedtrust.aggregators.screening import FirstPass
 
 
 def recursive_krum(sq_dist: torch.Tensor, f: int, count: int) -> list[int]:
@@ -44,7 +46,6 @@ class Bulyan(BaseRule):
     """
 
     name = "bulyan"
-    screens_in_first_pass = True
     paper = (
         "El Mhamdi, Guerraoui, Rouault 2018, The Hidden Vulnerability of Distributed Learning in Byzantium"
     )
@@ -52,16 +53,19 @@ class Bulyan(BaseRule):
     def __init__(self, f: int | float = 0):
         self.f = check_f(self.name, f)
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        # the distances first: their pass screens the round (a quarantine changes the budget)
-        dist = pairwise_sq_distances(round.updates, round.norms_for_pass().get("on_norms"))
-        f = byzantine_budget(self.name, self.f, round, n_quarantined, "n >= 4f + 3", lambda f: 4 * f + 3)
+    def first_pass(self, round: Round) -> FirstPass:  # the distances' Gram matrix has the norms
+        dist, norms = pairwise_sq_distances(round.updates)
+        return FirstPass(dist, norms)
+
+    def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
+        dist = first.value
+        f = byzantine_budget(self.name, self.f, round, "n >= 4f + 3", lambda f: 4 * f + 3)
         theta = round.n - 2 * f
         beta = theta - 2 * f
         selected = torch.as_tensor(sorted(recursive_krum(dist, f, theta)), device=round.updates.device)
 
         if round.updates.device.type == "cpu":
-            vector, weights = map_column_blocks(
+            vector, weights, _ = map_column_blocks(
                 round.updates, lambda b: closest_to_median(b, selected.numpy(), beta)
             )
         else:

@@ -8,8 +8,10 @@ from typing import Any
 import torch
 
 from fedtrust._checks import check_float, check_int
-from fedtrust.aggregators.core import Aggregate, BaseRule, Round
+from fedtrust.aggregators.base import BaseRule
+from fedtrust.aggregators.core import Aggregate, Round
 from fedtrust.aggregators.kernels import CombinationPasses, weighted_sum
+from fedtrust.aggregators.screening import FirstPass
 from fedtrust.aggregators.state import Fields, Tensor, check_state
 
 #: The centre is a finite vector of the rounds' length, kept in their dtype.
@@ -32,7 +34,6 @@ class CenteredClipping(BaseRule):
     """
 
     name = "centered_clipping"
-    screens_in_first_pass = True
     paper = "Karimireddy, He, Jaggi 2021, Learning from History for Byzantine Robust Optimization"
 
     def __init__(self, tau: float = 10.0, n_iter: int = 1):
@@ -40,11 +41,10 @@ class CenteredClipping(BaseRule):
         self.n_iter = check_int(f"{self.name}: n_iter", n_iter, minimum=1)
         self._center: torch.Tensor | None = None
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
+    def first_pass(self, round: Round) -> FirstPass:  # the distances to the centre take the norms
         x = round.updates
-        n = round.n
         v = self._center
-        passes = CombinationPasses(x, **round.norms_for_pass())  # its first pass screens the round
+        passes = CombinationPasses(x)
         if v is None:  # the first round: the centre is zero (None here) and the distances are the norms
             dist = passes.norms()
         elif v.numel() != round.d:
@@ -57,6 +57,12 @@ class CenteredClipping(BaseRule):
                 raise ValueError(f"{self.name}: the stored centre does not fit in this round's {x.dtype}")
             _, sq, _ = passes(None, offset=v)
             dist = sq.sqrt()
+        return FirstPass((passes, v, dist), passes.norms())
+
+    def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
+        x = round.updates
+        n = round.n
+        passes, v, dist = first.value
         coef = torch.zeros(n, dtype=torch.float64, device=x.device)
         center_weight = 1.0
         for it in range(self.n_iter):

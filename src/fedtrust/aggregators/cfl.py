@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from fedtrust._checks import check_float
-from fedtrust.aggregators.core import Aggregate, BaseRule, NoValidUpdates, Round
+from fedtrust.aggregators.base import BaseRule
+from fedtrust.aggregators.core import Aggregate, NoValidUpdates, Round
 from fedtrust.aggregators.kernels import gram, weighted_sum
 from fedtrust.aggregators.mean import sample_weights
 from fedtrust.aggregators.state import Dict, Fields, Int, check_state
@@ -91,7 +92,7 @@ class CFL(BaseRule):
         self._excluded: dict[Any, int] = {}  # client id -> round it was excluded in
         self._round = 0
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
+    def aggregate(self, round: Round) -> Aggregate:
         self._round += 1
         active = [i for i, cid in enumerate(round.client_ids) if cid not in self._excluded]
         if not active:

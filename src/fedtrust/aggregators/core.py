@@ -6,11 +6,8 @@ rounds); an :class:`Aggregate` is the aggregate vector plus the trust weight giv
 A rule that wants every client's metrics before training starts (ARFL's initial loss report) also has
 ``observe(client_ids, num_samples, metrics)``; the simulator and the Flower strategy call it once.
 
-:class:`BaseRule` gives every built-in rule the same front door: it validates the round, quarantines
-malformed client updates (non-finite entries, overflowing norms, bad counts or metrics) with a recorded
-reason, runs the rule on the rest, and maps the weights back onto the original clients. The screening
-needs each update's norm; rules whose first pass over the updates can take the norms screen there
-(``screens_in_first_pass``), so a clean round is read once less.
+The built-in rules derive from :class:`~fedtrust.aggregators.base.BaseRule`, whose front door
+(:mod:`fedtrust.aggregators.screening`) quarantines malformed clients before the rule sees the round.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -29,12 +26,11 @@ from fedtrust.aggregators.kernels import row_norms
 
 __all__ = [
     "Aggregate",
-    "BaseRule",
     "NoValidUpdates",
     "Round",
+    "RoundRefused",
     "Rule",
     "StatefulRule",
-    "UnscreenedUpdates",
     "byzantine_budget",
     "check_f",
     "resolve_f",
@@ -43,19 +39,15 @@ __all__ = [
 _HALF = (torch.float16, torch.bfloat16)
 
 
-class NoValidUpdates(ValueError):
+class RoundRefused(ValueError):
+    """A rule cannot aggregate this round for a reason the round's data gives: too few clients for its
+    Byzantine budget, reported counts that sum to zero, an estimator's fit that breaks down, every
+    client quarantined. A server keeps its model and records the reason (:mod:`fedtrust.server`); any
+    other exception from a rule is a bug and propagates."""
+
+
+class NoValidUpdates(RoundRefused):
     """Raised when every client of a round was quarantined: there is nothing left to aggregate."""
-
-
-class UnscreenedUpdates(ValueError):
-    """Raised by :meth:`Round.adopt_norms` when a rule's own first pass meets an update the front door
-    quarantines (non-finite, or a norm overflowing the dtype). The front door catches it and screens the
-    round; calling a rule's ``aggregate`` directly on such a round raises it."""
-
-
-def _norm_limit(dtype: torch.dtype) -> float:
-    """The largest norm an update may have: its square must be representable."""
-    return math.sqrt(torch.finfo(dtype).max)
 
 
 def _as_tensor(field_name: str, value: Any, device: torch.device | None = None) -> torch.Tensor:
@@ -84,6 +76,9 @@ class Round:
     metrics:      name -> (n,) client-reported scalars ("train_loss" for ARFL, "global_loss" for FOCUS).
     reference:    optional callable, flat vector -> loss on the server's trusted benchmark set.
     previous:     optional (d,) previous global vector.
+    quarantined:  client id -> reason, for clients of this round already removed as malformed (the front
+                  door, :mod:`~fedtrust.aggregators.screening`, fills it in). They are known-faulty:
+                  rules with a Byzantine budget ``f`` count them against it.
     """
 
     updates: torch.Tensor
@@ -92,6 +87,7 @@ class Round:
     metrics: Mapping[str, torch.Tensor] = field(default_factory=dict)
     reference: Callable[[torch.Tensor], float] | None = None
     previous: torch.Tensor | None = None
+    quarantined: Mapping[Hashable, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         x = _as_tensor("Round.updates", self.updates)
@@ -145,6 +141,12 @@ class Round:
             if not torch.isfinite(p).all():
                 raise ValueError("Round.previous (the previous global vector) has non-finite entries")
             set_(self, "previous", p)
+        if not isinstance(self.quarantined, Mapping):
+            raise TypeError(
+                "Round.quarantined must be a mapping client id -> reason, got "
+                f"{type(self.quarantined).__name__}"
+            )
+        set_(self, "quarantined", dict(self.quarantined))
         if self.reference is not None and not callable(self.reference):
             raise TypeError(
                 f"Round.reference must be callable (vector -> loss), got {type(self.reference).__name__}"
@@ -175,55 +177,27 @@ class Round:
     @cached_property
     def norms(self) -> torch.Tensor:
         """(n,) float64 norms of the updates (:func:`~fedtrust.aggregators.kernels.row_norms`), taken
-        once: the front door's screening computes them and rules that need norms reuse them."""
+        on first use and kept."""
         return row_norms(self.updates)
-
-    @property
-    def norms_taken(self) -> bool:
-        """Whether :attr:`norms` is already known (taken by the screening or adopted from a rule's pass)."""
-        return "norms" in self.__dict__
-
-    def norms_for_pass(self) -> dict[str, Any]:
-        """Keyword arguments for a pass over the updates (:class:`~fedtrust.aggregators.kernels.
-        CombinationPasses`, the inference module's ``Tasks``): the norms when already taken, else a hook
-        through which the pass hands over the norms it takes (:meth:`adopt_norms`)."""
-        if self.norms_taken:
-            return {"norms": self.norms}
-        return {"on_norms": self.adopt_norms}
-
-    def adopt_norms(self, norms: torch.Tensor) -> None:
-        """Keep the n norms a rule's own pass took as this round's :attr:`norms`, after checking them as
-        the front door's screening would (so a rule with ``screens_in_first_pass`` needs no screening
-        pass). Raises :class:`UnscreenedUpdates`, keeping nothing, when one marks a malformed update."""
-        norms = norms.reshape(-1).to(torch.float64)
-        if norms.numel() != self.n:
-            raise ValueError(f"Round.adopt_norms: need {self.n} norms, got {norms.numel()}")
-        if not bool((norms <= _norm_limit(self.updates.dtype)).all()):  # NaN <= limit is False
-            raise UnscreenedUpdates(
-                "Round.updates has non-finite or overflowing updates; call the rule itself (its front door "
-                "quarantines them), not its aggregate()"
-            )
-        self.__dict__["norms"] = norms
 
     @property
     def d(self) -> int:
         return self.updates.shape[1]
 
-    def select(self, index: torch.Tensor | Sequence[int]) -> Round:
-        """The same round restricted to the clients at ``index`` (in that order)."""
+    def select(self, index: torch.Tensor | Sequence[int], quarantined: Mapping | None = None) -> Round:
+        """The same round restricted to the clients at ``index`` (in that order); ``quarantined``, when
+        given, replaces the record of clients removed as malformed."""
         idx = torch.as_tensor(index, dtype=torch.long, device=self.updates.device)
         pos = idx.tolist()
-        out = Round(
+        return Round(
             updates=self.updates.index_select(0, idx),
             client_ids=[self.client_ids[i] for i in pos],
             num_samples=self.num_samples.index_select(0, idx),
             metrics={k: v.index_select(0, idx) for k, v in self.metrics.items()},
             reference=self.reference,
             previous=self.previous,
+            quarantined=self.quarantined if quarantined is None else quarantined,
         )
-        if self.norms_taken:  # carried over, not recomputed
-            out.__dict__["norms"] = self.norms.index_select(0, idx)
-        return out
 
 
 @dataclass
@@ -278,130 +252,17 @@ def check_f(rule: str, f: Any) -> int | float:
 
 
 def byzantine_budget(
-    rule: str, f: int | float, round: Round, n_quarantined: int, need: str, minimum: Callable[[int], int]
+    rule: str, f: int | float, round: Round, need: str, minimum: Callable[[int], int]
 ) -> int:
-    """The f to use on a clean round: ``f`` (or its fraction of all the round's clients) minus the
-    clients already quarantined as malformed (they are known-faulty), checked against the rule's
-    requirement ``n >= minimum(f)``."""
+    """The f to use on a screened round: ``f`` (or its fraction of all the round's clients) minus the
+    clients already quarantined as malformed (``Round.quarantined``: they are known-faulty), checked
+    against the rule's requirement ``n >= minimum(f)``."""
     n = round.n
+    n_quarantined = len(round.quarantined)
     f_eff = max(0, resolve_f(f, n + n_quarantined) - n_quarantined)
     if n < minimum(f_eff):
-        raise ValueError(f"{rule}: needs {need} clients, got n={n} with f={f_eff}")
+        raise RoundRefused(f"{rule}: needs {need} clients, got n={n} with f={f_eff}")
     return f_eff
-
-
-def _screen(round: Round, requires: Sequence[str]) -> dict[int, str]:
-    """Indices of malformed clients -> reason. One pass over the updates (row norms)."""
-    return {**_screen_scalars(round, requires), **_screen_updates(round)}
-
-
-def _screen_updates(round: Round) -> dict[int, str]:
-    x = round.updates
-    bad: dict[int, str] = {}
-    norms = round.norms
-    limit = _norm_limit(x.dtype)
-    for i in torch.nonzero(~(norms <= limit)).flatten().tolist():  # NaN-safe: NaN <= limit is False
-        row = x[i]
-        nan, inf = int(torch.isnan(row).sum()), int(torch.isinf(row).sum())
-        if nan or inf:
-            bad[i] = f"update has non-finite entries ({nan} NaN, {inf} Inf of {round.d})"
-        else:
-            dtype = str(x.dtype).removeprefix("torch.")
-            bad[i] = f"update norm {float(row.double().norm()):.3g} overflows {dtype}"
-    return bad
-
-
-def _screen_scalars(round: Round, requires: Sequence[str]) -> dict[int, str]:
-    bad: dict[int, str] = {}
-    counts = round.num_samples
-    if not requires and len(counts) and float(counts.min()) >= 0 and math.isfinite(float(counts.sum())):
-        return bad  # the usual case in two reductions (a NaN fails the first test, an Inf the second)
-    for i in torch.nonzero(~(torch.isfinite(counts) & (counts >= 0))).flatten().tolist():
-        bad.setdefault(i, f"num_samples={counts[i].item()!r} is not a finite non-negative count")
-    for name in requires:
-        if name not in round.metrics:
-            raise ValueError(
-                f"this rule needs metric {name!r} in Round.metrics; got {sorted(round.metrics) or 'none'}"
-            )
-        values = round.metrics[name]
-        for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist():
-            bad.setdefault(i, f"metric {name}={values[i].item()!r} is not finite")
-    return bad
-
-
-class BaseRule:
-    """Shared front door of the built-in rules.
-
-    Subclasses implement :meth:`aggregate` on a clean round and set ``name`` (registry name), ``paper``
-    (the source, cited in ``fedtrust rules``) and ``requires`` (client metrics the rule reads).
-    Stateless rules inherit an empty ``state_dict``.
-    """
-
-    name: ClassVar[str] = "base"
-    paper: ClassVar[str] = ""
-    requires: ClassVar[tuple[str, ...]] = ()
-    #: A stateless rule whose aggregate is a positive combination of every update (the mean, FedAvg)
-    #: screens by its result: a NaN or Inf anywhere reaches the aggregate, and only then are the updates
-    #: screened one by one. One pass over the data instead of two; finite updates too large to square in
-    #: the dtype are harmless to a mean and are kept.
-    screen_by_result: ClassVar[bool] = False
-    #: A rule whose first pass over the updates takes their norms (through ``Round.norms_for_pass``)
-    #: before it uses them screens there: it runs unscreened, its first pass hands the norms to
-    #: ``Round.adopt_norms``, which stops it (``UnscreenedUpdates``) when a client must be quarantined,
-    #: and only then is the round screened and the rule run on the rest. A clean round costs no
-    #: screening pass. Its state may change only after that first pass.
-    screens_in_first_pass: ClassVar[bool] = False
-
-    def __call__(self, round: Round) -> Aggregate:
-        if not isinstance(round, Round):
-            raise TypeError(f"{self.name}: expected a fedtrust Round, got {type(round).__name__}")
-        if self.screen_by_result and not _screen_scalars(round, self.requires):
-            out = self.aggregate(round)
-            if math.isfinite(float(out.vector.sum())):  # a NaN or Inf entry makes the sum non-finite
-                return out
-        elif (
-            self.screens_in_first_pass and not round.norms_taken and not _screen_scalars(round, self.requires)
-        ):
-            try:
-                out = self.aggregate(round)
-            except ValueError:  # UnscreenedUpdates, or an error met before its pass screened the round
-                if round.norms_taken:
-                    raise  # the round was clean: the error is the rule's
-                # (a quarantine may change the outcome, e.g. a Byzantine budget): screened below
-            else:
-                if not round.norms_taken:
-                    raise RuntimeError(f"{self.name}: screens_in_first_pass, but its pass took no norms")
-                return out
-        bad = _screen(round, self.requires)
-        if not bad:
-            return self.aggregate(round)
-        keep = [i for i in range(round.n) if i not in bad]
-        quarantined = {round.client_ids[i]: reason for i, reason in sorted(bad.items())}
-        if not keep:
-            detail = "; ".join(f"{k!r}: {v}" for k, v in quarantined.items())
-            raise NoValidUpdates(f"{self.name}: all {round.n} clients were quarantined ({detail})")
-        out = self.aggregate(round.select(keep), n_quarantined=len(bad))
-        return _expand(out, round.n, keep, quarantined)
-
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        """Aggregate a validated round. ``n_quarantined`` clients were already removed as malformed:
-        rules with a Byzantine budget ``f`` count them against it (they are known-faulty)."""
-        raise NotImplementedError
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state:
-            raise ValueError(f"{self.name} keeps no state across rounds, got state keys {sorted(state)}")
-
-    def options(self) -> dict[str, Any]:
-        """The rule's options as given at construction (for manifests and repr)."""
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
-
-    def __repr__(self) -> str:
-        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
-        return f"{type(self).__name__}({opts})"
 
 
 def leaving_out(rule: Rule, client_ids) -> Rule:
@@ -417,19 +278,3 @@ def leaving_out(rule: Rule, client_ids) -> Rule:
         return Aggregate(out.vector, weights, out.info)
 
     return without
-
-
-def _expand(out: Aggregate, n: int, keep: list[int], quarantined: dict) -> Aggregate:
-    idx = torch.as_tensor(keep, device=out.weights.device)
-    weights = torch.zeros(n, dtype=out.weights.dtype, device=out.weights.device)
-    weights[idx] = out.weights
-    info = dict(out.info)
-    clients = {}
-    for key, value in info.get("clients", {}).items():
-        full = torch.full((n,), math.nan, dtype=torch.float64, device=value.device)
-        full[idx] = value.to(torch.float64)
-        clients[key] = full
-    if clients:
-        info["clients"] = clients
-    info["quarantined"] = quarantined
-    return Aggregate(out.vector, weights, info)

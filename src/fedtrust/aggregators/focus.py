@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from fedtrust._checks import check_choice, check_float
-from fedtrust.aggregators.core import Aggregate, BaseRule, Round
+from fedtrust.aggregators.base import BaseRule
+from fedtrust.aggregators.core import Aggregate, Round
 from fedtrust.aggregators.kernels import weighted_sum
 from fedtrust.aggregators.mean import normalised
 from fedtrust.aggregators.reports import DEFENCES, defend, reference_losses
@@ -77,7 +78,7 @@ class FOCUS(BaseRule):
         self.sybils = check_choice(f"{self.name}: sybils", sybils, ("share", "off"))
         self._ls: dict[Any, float] = {}
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
+    def aggregate(self, round: Round) -> Aggregate:
         if round.reference is None:
             raise ValueError(f"{self.name}: needs Round.reference, the loss on the server's benchmark split")
         n = round.num_samples.to(torch.float64)
@@ -90,7 +91,9 @@ class FOCUS(BaseRule):
             [self._ls.get(cid, float("nan")) for cid in round.client_ids], dtype=torch.float64
         )
         e = ls_prev + ll
-        groups = find_groups(round) if self.sybils == "share" else Groups.singletons(round.n)
+        groups = (
+            find_groups(round.updates, round.norms) if self.sybils == "share" else Groups.singletons(round.n)
+        )
         # one source per group: its members' mean E (over those known) and mean count
         e_g, n_g = groups.pool(torch.where(known, e, math.nan)), groups.pool(n)
         known_g = ~torch.isnan(e_g) if not groups.trivial else known

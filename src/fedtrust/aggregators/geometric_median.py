@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from fedtrust._checks import check_float, check_int, check_tol, resolve_tol
-from fedtrust.aggregators.core import Aggregate, BaseRule, Round
+from fedtrust.aggregators.base import BaseRule
+from fedtrust.aggregators.core import Aggregate, Round
 from fedtrust.aggregators.kernels import CombinationPasses
 from fedtrust.aggregators.mean import sample_weights
+from fedtrust.aggregators.screening import FirstPass
 
 
 class GeometricMedian(BaseRule):
@@ -37,7 +39,6 @@ class GeometricMedian(BaseRule):
     name = "geometric_median"
     #: A step of at most this many eps * ||z|| is z's own rounding (steps there plateau at ~0.6).
     ROUNDING_STEP = 4
-    screens_in_first_pass = True
     paper = "Pillutla, Kakade, Harchaoui 2022, Robust Aggregation for Federated Learning (RFA)"
 
     def __init__(
@@ -50,16 +51,20 @@ class GeometricMedian(BaseRule):
             raise TypeError(f"{self.name}: weighted must be True or False, got {weighted!r}")
         self.weighted = weighted
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
+    def first_pass(self, round: Round) -> FirstPass:  # the first step's fused pass takes the norms
         x = round.updates
-        n = round.n
         if self.weighted:
             alpha = sample_weights(round, self.name).to(torch.float64)
         else:
-            alpha = torch.full((n,), 1.0 / n, dtype=torch.float64, device=x.device)
+            alpha = torch.full((round.n,), 1.0 / round.n, dtype=torch.float64, device=x.device)
+        passes = CombinationPasses(x)  # one fused pass a step
+        z, sq, _ = passes(alpha)
+        return FirstPass((passes, alpha, z, sq), passes.norms())
+
+    def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
+        x = round.updates
+        passes, alpha, z, sq = first.value
         beta = alpha
-        passes = CombinationPasses(x, **round.norms_for_pass())  # one fused pass a step; it screens too
-        z, sq, _ = passes(beta)
         dist = sq.sqrt()
         trace = [float(alpha @ dist)]
         tol = resolve_tol(self.tol, x.dtype)

@@ -68,16 +68,10 @@ class CombinationPasses:
     #: Bytes of x per chunk (read twice, the second time from cache).
     CHUNK = 1 << 22
 
-    def __init__(
-        self,
-        x: torch.Tensor,
-        norms: torch.Tensor | None = None,
-        on_norms: Callable[[torch.Tensor], None] | None = None,
-    ):
-        """``norms``: the points' norms if already known (a Round's screening pass takes them), else
-        the first pass does and hands them to ``on_norms`` (a Round screens on them:
-        :meth:`~fedtrust.aggregators.core.Round.adopt_norms`)."""
-        self.on_norms = on_norms
+    def __init__(self, x: torch.Tensor, norms: torch.Tensor | None = None):
+        """``norms``: the points' norms if already known, else the first pass takes them
+        (:meth:`norms` returns them, which makes that pass a rule's first pass: the front door screens
+        on them)."""
         self.flat = x.dim() == 2
         self.x = x if x.dim() == 3 else x[None]
         i, j, k = self.x.shape
@@ -90,14 +84,9 @@ class CombinationPasses:
         """(n,) or (I, J) float64 norms of the points (:func:`row_norms`): one pass the first time unless
         they were given or a call took them, then kept."""
         if self.sq_norms is None:
-            self._took_norms(row_norms(self.x).square())
+            self.sq_norms = row_norms(self.x).square()
         out = self.sq_norms.sqrt()
         return out[0] if self.flat else out
-
-    def _took_norms(self, sq_norms: torch.Tensor) -> None:
-        self.sq_norms = sq_norms
-        if self.on_norms is not None:
-            self.on_norms(self.norms())
 
     def __call__(
         self,
@@ -142,7 +131,7 @@ class CombinationPasses:
             if previous is not None:
                 steps[b] = torch.linalg.vector_norm(zc - previous[:, cols])
         if norms is not None:
-            self._took_norms(norms.to(torch.float64).square().sum(0))
+            self.sq_norms = norms.to(torch.float64).square().sum(0)
         dots, z_sq = dots.to(torch.float64).sum(0), z_sq.to(torch.float64).sum(0)[:, None]
         sq = (self.sq_norms - 2 * dots + z_sq).clamp_min(0)
         unresolved = sq < self.EXPANSION_FLOOR * (self.sq_norms + z_sq)
@@ -228,12 +217,9 @@ def _ill_conditioned(g: torch.Tensor, dist: torch.Tensor, limit: float) -> bool:
     return bool((g.diagonal() > limit * torch.quantile(off, 0.2, dim=1)).any())
 
 
-def pairwise_sq_distances(
-    x: torch.Tensor, on_norms: Callable[[torch.Tensor], None] | None = None
-) -> torch.Tensor:
-    """(n, n) float64 squared Euclidean distances between the rows of ``x`` from one Gram matrix.
-    ``on_norms`` gets the rows' norms (the raw Gram's diagonal) before they are used
-    (:meth:`~fedtrust.aggregators.core.Round.adopt_norms`).
+def pairwise_sq_distances(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, n) float64 squared Euclidean distances between the rows of ``x`` from one Gram matrix, and the
+    (n,) float64 norms of the rows (the raw Gram's diagonal: a rule's first pass screens on them).
 
     First from the raw Gram (one GEMM pass). If some point's squared norm exceeds ``_RAW_LIMIT`` times
     the 20% quantile of the pairwise distances (a large common component, as with raw parameters), float32
@@ -243,22 +229,19 @@ def pairwise_sq_distances(
     median distance to the others).
     """
     n = x.shape[0]
-    if n < 3 and on_norms is None:  # too few points for the conditioning test: centred at once
-        return sq_distances_from_gram(gram(x, "mean"))
     g = gram(x)
-    if on_norms is not None:
-        on_norms(g.diagonal().sqrt())
-    if n < 3:
-        return sq_distances_from_gram(gram(x, "mean"))
+    norms = g.diagonal().sqrt()
+    if n < 3:  # too few points for the conditioning test: centred at once
+        return sq_distances_from_gram(gram(x, "mean")), norms
     dist = sq_distances_from_gram(g)
     if not _ill_conditioned(g, dist, _RAW_LIMIT):
-        return dist
+        return dist, norms
     g = gram(x, "mean")
     dist = sq_distances_from_gram(g)
     if _ill_conditioned(g, dist, _CONDITION_LIMIT):
         anchor = int(dist.median(dim=1).values.argmin())
         dist = sq_distances_from_gram(gram(x, x[anchor]))
-    return dist
+    return dist, norms
 
 
 def coordinatewise(
@@ -295,17 +278,17 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def map_column_blocks(
-    x: torch.Tensor,
-    fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
-    on_norms: Callable[[torch.Tensor], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], norms: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Run ``fn`` on cache-sized (n, c) column blocks of a CPU tensor, on a thread pool (numpy releases
-    the GIL); ``fn`` returns the block's (c,) values and (n,) slot counts. Returns the (d,) values and
-    the (n,) weights (slot counts normalised to sum to one).
+    the GIL); ``fn`` returns the block's (c,) values and (n,) slot counts. Returns the (d,) values, the
+    (n,) weights (slot counts normalised to sum to one) and, with ``norms``, the rows' float64 norms.
 
-    ``on_norms`` gets the rows' float64 norms (each block's float32 sums of squares, taken while it is in
-    cache, summed in float64) before anything is returned; a block with a non-finite sum stops the map
-    (blocks not yet started are skipped) and ``on_norms`` gets that verdict at once."""
+    With ``norms`` the rows may hold NaN or Inf (a rule's first pass on an unscreened round): each
+    block's float32 sums of squares are taken while it is in cache (summed in float64) before ``fn``
+    sees it, and a block with a non-finite sum stops the map (blocks not yet started are skipped); the
+    norms returned are then that block's, non-finite for the malformed rows, and the values are not
+    meaningful."""
     n, d = x.shape
     xn = x.detach().numpy()
     width = max(1, SELECT_CHUNK_BYTES // max(1, n * x.element_size()))
@@ -319,7 +302,7 @@ def map_column_blocks(
         if stop.is_set():
             return None
         block = xn[:, cols]
-        if on_norms is None:
+        if not norms:
             return fn(block), None
         block_sq = np.einsum("ij,ij->i", block, block)
         if not np.isfinite(block_sq).all():
@@ -336,9 +319,10 @@ def map_column_blocks(
         slots += counts
         if block_sq is not None:
             sq += block_sq
-    if on_norms is not None:
-        on_norms(torch.from_numpy(np.sqrt(flagged[0] if stop.is_set() else sq)))
-    return torch.from_numpy(out), torch.from_numpy(slots / slots.sum()).to(x.dtype)
+    weights = torch.from_numpy(slots / slots.sum()).to(x.dtype)
+    if not norms:
+        return torch.from_numpy(out), weights, None
+    return torch.from_numpy(out), weights, torch.from_numpy(np.sqrt(flagged[0] if stop.is_set() else sq))
 
 
 #: Up to this many clients a block is sorted by a comparator network on whole rows (elementwise
@@ -428,9 +412,7 @@ def _window_block(x: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarr
     return values, window_slots(x, t, lo, hi)
 
 
-def rank_window(
-    x: torch.Tensor, lo: int, hi: int, on_norms: Callable[[torch.Tensor], None] | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rank_window(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For every coordinate j, the mean of the values of rank lo..hi-1 (0-based, ascending) among
     x[0, j], ..., x[n-1, j], and each client's weight: its share of the (coordinate, rank) slots, with
     clients tied across a window edge sharing those slots evenly. The median is the window
@@ -439,17 +421,16 @@ def rank_window(
     On the CPU cache-sized column blocks go to a thread pool: float32 blocks of up to
     :data:`order_stats.MAX_CLIENTS` rows through the compiled selection network (:mod:`order_stats`),
     others transposed and sorted with numpy's SIMD sort; on other devices a sort per chunk does it
-    (:func:`rank_window_by_sort`). ``on_norms`` gets the rows' norms first (:func:`map_column_blocks`;
-    :func:`row_norms` off the CPU).
+    (:func:`rank_window_by_sort`). Also returns the rows' norms, taken in the same pass
+    (:func:`map_column_blocks`; :func:`row_norms` off the CPU): the x may be unscreened, and where a row
+    is not finite the values and weights are not meaningful.
     """
     n, d = x.shape
     if not 0 <= lo < hi <= n:
         raise ValueError(f"rank_window: need 0 <= lo < hi <= n, got lo={lo}, hi={hi}, n={n}")
     if x.device.type != "cpu":
-        if on_norms is not None:
-            on_norms(row_norms(x))
-        return rank_window_by_sort(x, lo, hi)
-    return map_column_blocks(x, lambda block: _window_block(block, lo, hi), on_norms)
+        return (*rank_window_by_sort(x, lo, hi), row_norms(x))
+    return map_column_blocks(x, lambda block: _window_block(block, lo, hi), norms=True)
 
 
 def rank_window_by_sort(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from fedtrust._checks import check_int
-from fedtrust.aggregators.core import Aggregate, BaseRule, Round, byzantine_budget, check_f
+from fedtrust.aggregators.base import BaseRule
+from fedtrust.aggregators.core import Aggregate, Round, byzantine_budget, check_f
 from fedtrust.aggregators.kernels import pairwise_sq_distances, weighted_sum
+from fedtrust.aggregators.screening import FirstPass
 
 
 def krum_order(sq_dist: torch.Tensor, neighbours: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,21 +38,22 @@ class Krum(BaseRule):
     """
 
     name = "krum"
-    screens_in_first_pass = True
     paper = "Blanchard et al. 2017, Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent"
 
     def __init__(self, f: int | float = 0):
         self.f = check_f(self.name, f)
 
-    def _order(self, round: Round, n_quarantined: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        # the distances first: their pass screens the round (a quarantine changes the budget)
-        dist = pairwise_sq_distances(round.updates, round.norms_for_pass().get("on_norms"))
-        f = byzantine_budget(self.name, self.f, round, n_quarantined, "n > 2f + 2", lambda f: 2 * f + 3)
-        scores, order = krum_order(dist, round.n - f - 2)
+    def first_pass(self, round: Round) -> FirstPass:  # the distances' Gram matrix has the norms
+        dist, norms = pairwise_sq_distances(round.updates)
+        return FirstPass(dist, norms)
+
+    def _order(self, round: Round, first: FirstPass) -> tuple[torch.Tensor, torch.Tensor, int]:
+        f = byzantine_budget(self.name, self.f, round, "n > 2f + 2", lambda f: 2 * f + 3)
+        scores, order = krum_order(first.value, round.n - f - 2)
         return scores, order, f
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        scores, order, f = self._order(round, n_quarantined)
+    def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
+        scores, order, f = self._order(round, first)
         best = int(order[0])
         w = torch.zeros(round.n, dtype=round.updates.dtype, device=round.updates.device)
         w[best] = 1.0
@@ -72,8 +75,8 @@ class MultiKrum(Krum):
         super().__init__(f)
         self.m = None if m is None else check_int(f"{self.name}: m", m, minimum=1)
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        scores, order, f = self._order(round, n_quarantined)
+    def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
+        scores, order, f = self._order(round, first)
         m = round.n - f if self.m is None else min(self.m, round.n)
         chosen = order[:m]
         w = torch.zeros(round.n, dtype=round.updates.dtype, device=round.updates.device)

@@ -2,42 +2,54 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from fedtrust.aggregators.core import Aggregate, BaseRule, Round
+from fedtrust.aggregators.base import BaseRule
+from fedtrust.aggregators.core import Aggregate, Round, RoundRefused
 from fedtrust.aggregators.kernels import weighted_sum
+from fedtrust.aggregators.screening import FirstPass
 
 
 class Mean(BaseRule):
-    """Uniform average: every reporting client gets weight 1/n."""
+    """Uniform average: every reporting client gets weight 1/n.
+
+    Its one pass is its first pass: the result is a positive combination of every update, so a NaN or Inf
+    anywhere reaches it, and only then are the updates screened one by one (``FirstPass.finite``)."""
 
     name = "mean"
-    screen_by_result = True
     paper = "uniform average (the 'Uniform avg' baseline of Nguyen et al., Table 1)"
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        w = torch.full((round.n,), 1.0 / round.n, dtype=round.updates.dtype, device=round.updates.device)
-        return Aggregate(weighted_sum(round.updates, w), w, {})
+    def weights(self, round: Round) -> torch.Tensor:
+        return torch.full((round.n,), 1.0 / round.n, dtype=round.updates.dtype, device=round.updates.device)
+
+    def first_pass(self, round: Round) -> FirstPass:
+        w = self.weights(round)
+        vector = weighted_sum(round.updates, w)
+        return FirstPass((vector, w), finite=math.isfinite(float(vector.sum())))  # NaN/Inf: a non-finite sum
+
+    def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
+        vector, w = first.value
+        return Aggregate(vector, w, {})
 
 
-class FedAvg(BaseRule):
+class FedAvg(Mean):
     """FedAvg: weight proportional to the reported sample count, w_k = n_k / sum_i n_i
     (McMahan et al. 2017, eq. in Algorithm 1; eq 2 of Nguyen et al.)."""
 
     name = "fedavg"
-    screen_by_result = True
     paper = "McMahan et al. 2017, Communication-Efficient Learning of Deep Networks from Decentralized Data"
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        w = sample_weights(round, self.name)
-        return Aggregate(weighted_sum(round.updates, w), w, {})
+    def weights(self, round: Round) -> torch.Tensor:
+        return sample_weights(round, self.name)
 
 
 def sample_weights(round: Round, rule: str) -> torch.Tensor:
     """n_k / sum_i n_i (:func:`normalised`), with a clear error when every reported count is zero."""
     total = round.num_samples.sum()
     if not total > 0:
-        raise ValueError(
+        raise RoundRefused(
             f"{rule}: the reported num_samples sum to {total.item()}; sample weights need a positive total"
         )
     return normalised(round.num_samples)

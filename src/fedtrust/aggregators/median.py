@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from fedtrust.aggregators.core import Aggregate, BaseRule, Round
+from fedtrust.aggregators.base import BaseRule
+from fedtrust.aggregators.core import Aggregate, Round
 from fedtrust.aggregators.kernels import rank_window
+from fedtrust.aggregators.screening import FirstPass
 
 
 def median_window(n: int) -> tuple[int, int]:
@@ -20,10 +22,12 @@ class CoordinateMedian(BaseRule):
     """
 
     name = "median"
-    screens_in_first_pass = True
     paper = "Yin et al. 2018, Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates"
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        on_norms = round.norms_for_pass().get("on_norms")
-        vector, weights = rank_window(round.updates, *median_window(round.n), on_norms)
+    def first_pass(self, round: Round) -> FirstPass:  # the whole rule: one selection pass takes the norms
+        vector, weights, norms = rank_window(round.updates, *median_window(round.n))
+        return FirstPass((vector, weights), norms)
+
+    def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
+        vector, weights = first.value
         return Aggregate(vector, weights, {})

@@ -217,9 +217,8 @@ def all_identical(x: torch.Tensor) -> bool:
     return all(bool((x[:, cols] == x[:1, cols]).all()) for cols in column_chunks(x))
 
 
-def find_groups(round, relative: float = RELATIVE) -> Groups:
-    """The near-duplicate groups of a :class:`~fedtrust.aggregators.core.Round`. Its pass over the
-    updates (one Gram matrix) takes the round's norms, so it screens the round
-    (``Round.norms_for_pass``) before anything else uses them."""
-    sq_dist = pairwise_sq_distances(round.updates, round.norms_for_pass().get("on_norms"))
-    return near_duplicates(round.updates, sq_dist, round.norms, relative)
+def find_groups(x: torch.Tensor, norms: torch.Tensor | None = None, relative: float = RELATIVE) -> Groups:
+    """The near-duplicate groups among the rows of ``x`` (a round's updates), from one Gram matrix;
+    ``norms``: the rows' norms when known (else the Gram matrix's)."""
+    sq_dist, gram_norms = pairwise_sq_distances(x)
+    return near_duplicates(x, sq_dist, gram_norms if norms is None else norms, relative)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from fedtrust.aggregators.core import Aggregate, BaseRule, Round, byzantine_budget, check_f
+from fedtrust.aggregators.base import BaseRule
+from fedtrust.aggregators.core import Aggregate, Round, byzantine_budget, check_f
 from fedtrust.aggregators.kernels import rank_window
+from fedtrust.aggregators.screening import FirstPass
 
 
 class TrimmedMean(BaseRule):
@@ -19,14 +21,24 @@ class TrimmedMean(BaseRule):
     """
 
     name = "trimmed_mean"
-    screens_in_first_pass = True
     paper = "Yin et al. 2018, Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates"
 
     def __init__(self, f: int | float = 0.1):
         self.f = check_f(self.name, f)
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        n = round.n
-        b = byzantine_budget(self.name, self.f, round, n_quarantined, "n > 2f", lambda f: 2 * f + 1)
-        vector, weights = rank_window(round.updates, b, n - b, round.norms_for_pass().get("on_norms"))
+    def _trimmed(self, round: Round) -> int:
+        return byzantine_budget(self.name, self.f, round, "n > 2f", lambda f: 2 * f + 1)
+
+    def first_pass(self, round: Round) -> FirstPass:  # the whole rule: one selection pass takes the norms
+        try:
+            b = self._trimmed(round)
+        except ValueError:  # too few clients for f; quarantined ones would count against f: screen first
+            return FirstPass(None, round.norms)
+        vector, weights, norms = rank_window(round.updates, b, round.n - b)
+        return FirstPass((vector, weights, b), norms)
+
+    def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
+        if first.value is None:  # too few clients for f, and the screen removed none: its error stands
+            self._trimmed(round)
+        vector, weights, b = first.value
         return Aggregate(vector, weights, {"trimmed_per_side": b})

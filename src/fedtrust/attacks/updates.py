@@ -15,8 +15,8 @@ from statistics import NormalDist
 import torch
 
 from fedtrust._checks import check_choice, check_float, check_int
-from fedtrust._registry import build
 from fedtrust.aggregators.kernels import gram
+from fedtrust.registry import build
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from fedtrust._checks import check_float, check_int
-from fedtrust._registry import build
+from fedtrust.registry import build
 
 
 def _need_classes(name: str, num_classes: int | None) -> int:

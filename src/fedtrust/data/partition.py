@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from fedtrust._checks import check_float, check_int
-from fedtrust._registry import build
 from fedtrust.data.datasets import Dataset
+from fedtrust.registry import build
 
 
 def _labels(dataset: Dataset, who: str) -> torch.Tensor:

@@ -29,13 +29,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fedtrust._checks import SEED_LIMIT
-from fedtrust._registry import UnknownNameError, build, check_options, lookup
-from fedtrust.aggregators import RULES
 from fedtrust.attacks import ATTACKS
 from fedtrust.data import DATASETS
 from fedtrust.data.corruptions import DATA_CORRUPTIONS
 from fedtrust.data.partition import PARTITIONERS
 from fedtrust.models import MODELS
+from fedtrust.registry import UnknownNameError, build, check_options, lookup
+from fedtrust.rules import RULES
 from fedtrust.sim.settings import TrainSettings
 
 CORRUPTIONS = {"none": None, **DATA_CORRUPTIONS, **ATTACKS}

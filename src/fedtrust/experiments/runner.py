@@ -14,8 +14,6 @@ import numpy as np
 import torch
 
 import fedtrust
-from fedtrust._registry import build
-from fedtrust.aggregators import RULES
 from fedtrust.attacks import ATTACKS
 from fedtrust.checkpoint import CorruptFileError
 from fedtrust.data import DATASETS
@@ -23,6 +21,8 @@ from fedtrust.data.corruptions import DATA_CORRUPTIONS
 from fedtrust.data.partition import PARTITIONERS
 from fedtrust.experiments.config import ExperimentConfig, expand
 from fedtrust.models import build_model
+from fedtrust.registry import build
+from fedtrust.rules import RULES
 from fedtrust.sim.federation import build_federation
 from fedtrust.sim.loop import Lie, Simulation
 from fedtrust.sim.store import RunStore

@@ -15,11 +15,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
-from fedtrust.aggregators import NoValidUpdates, Round
-from fedtrust.aggregators import rule as build_rule
+from fedtrust.aggregators import Round
 from fedtrust.checkpoint import load_state, save_state
 from fedtrust.flower.arrays import ArrayLayout, MalformedReply
 from fedtrust.models import FlatModel
+from fedtrust.rules import rule as build_rule
+from fedtrust.server import server_step
 
 #: Keys of the MetricRecord a fedtrust client sends with its update.
 NUM_EXAMPLES = "num-examples"
@@ -198,28 +199,24 @@ class TrustStrategy(FedAvg):
             return self._finish(record, None, "no usable reply")
         nodes = [a[0] for a in accepted]
         shared = set.intersection(*(set(a[2]) for a in accepted)) - {NUM_EXAMPLES}
-        try:
-            round_ = Round(
-                updates=torch.stack([a[1] for a in accepted]) - self.global_vector,
-                client_ids=nodes,
-                num_samples=[a[2][NUM_EXAMPLES] for a in accepted],
-                metrics={k: [a[2][k] for a in accepted] for k in shared},
-                reference=self._reference(),
-            )
-            out = self.rule(round_)
-        except (NoValidUpdates, ValueError) as exc:
-            log(WARNING, "aggregate_train: no update applied, the global model stays: %s", exc)
-            return self._finish(record, None, f"{type(exc).__name__}: {exc}")
-        vector = self.global_vector + out.vector
-        if not bool(torch.isfinite(vector).all()):
-            log(WARNING, "aggregate_train: the aggregate would make the global model non-finite; it stays")
-            return self._finish(record, None, "the aggregate made the global model non-finite")
+        round_ = Round(
+            updates=torch.stack([a[1] for a in accepted]) - self.global_vector,
+            client_ids=nodes,
+            num_samples=[a[2][NUM_EXAMPLES] for a in accepted],
+            metrics={k: [a[2][k] for a in accepted] for k in shared},
+            reference=self._reference(),
+        )
+        step = server_step(self.rule, round_, self.global_vector, lambda delta: self.global_vector + delta)
+        if not step.applied:
+            log(WARNING, "aggregate_train: no update applied, the global model stays: %s", step.error)
+            return self._finish(record, None, step.error)
+        vector, out = step.vector, step.aggregate
         if "posterior_var" in out.info:
             self.posterior_var = out.info["posterior_var"].detach().float()
-        weights = out.weights.tolist()
+        weights = step.weights
         counts = round_.num_samples
         metrics = {k: float((round_.metrics[k] * counts).sum() / counts.sum().clamp_min(1)) for k in shared}
-        quarantined = out.info.get("quarantined", {})
+        quarantined = step.quarantined
         metrics.update(
             {
                 "trust-node-ids": nodes,
@@ -229,8 +226,8 @@ class TrustStrategy(FedAvg):
             }
         )
         record["trust"] = {str(n): w for n, w in zip(nodes, weights, strict=True)}
-        record["quarantined"] = {str(k): v for k, v in quarantined.items()}
-        warning = out.info.get("warning")  # the rule's estimator stopped at max_iter before converging
+        record["quarantined"] = quarantined
+        warning = step.warning  # the rule's estimator stopped at max_iter before converging
         if warning is not None:
             record["warning"] = warning
             log(WARNING, "aggregate_train: round %d: %s", server_round, warning)

@@ -39,8 +39,10 @@ from typing import Any
 import torch
 
 from fedtrust._checks import check_choice, check_float, check_int, check_tol
-from fedtrust.aggregators.core import Aggregate, BaseRule, Round, UnscreenedUpdates
-from fedtrust.aggregators.kernels import row_norms
+from fedtrust.aggregators.base import BaseRule
+from fedtrust.aggregators.core import Aggregate, Round, RoundRefused
+from fedtrust.aggregators.kernels import pairwise_sq_distances, row_norms
+from fedtrust.aggregators.screening import FirstPass
 from fedtrust.aggregators.state import (
     ClientId,
     Dict,
@@ -56,7 +58,7 @@ from fedtrust.aggregators.state import (
     symmetric_positive_definite,
     symmetric_positive_semidefinite,
 )
-from fedtrust.aggregators.sybils import Groups, all_identical, find_groups
+from fedtrust.aggregators.sybils import Groups, all_identical, near_duplicates
 from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, latent_init
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
 from fedtrust.inference.result import ConvergenceWarning
@@ -65,15 +67,10 @@ from fedtrust.inference.tasks import Tasks
 PAPER = "Nguyen, Lim, Wynter, Cai 2021, Probabilistic Inference for Learning from Untrusted Sources"
 
 
-def _task(round: Round) -> Tasks:
-    """The round as one task with every client present. The estimators skip their own finiteness check:
-    the round's norms come along when taken, else their first pass takes them and screens the round on
-    them (``BaseRule.screens_in_first_pass``)."""
+def _task(round: Round, norms: torch.Tensor | None) -> Tasks:
+    """The (screened) round as one task with every client present, with its updates' norms when known."""
     present = torch.ones(1, round.n, dtype=torch.bool, device=round.updates.device)
-    kw = round.norms_for_pass()
-    if "norms" in kw:
-        return Tasks(round.updates[None], present, norms=kw["norms"][None])
-    return Tasks(round.updates[None], present, on_norms=kw["on_norms"])
+    return Tasks(round.updates[None], present, norms=None if norms is None else norms[None])
 
 
 #: How a group of near-duplicate updates is treated: "share" one vote among them, or "off" (each its own).
@@ -112,8 +109,8 @@ def _trust(coefficients: torch.Tensor) -> torch.Tensor:
 
 class _WindowRule(BaseRule):
     """Shared window bookkeeping: ``window`` rounds (this one included) inform each client's estimates.
-    Every estimator starts with one pass over the data (a Gram matrix or a fused step), which screens the
-    round; the window state changes only once the estimator returns.
+    The first pass is the Gram matrix that finds the near-duplicate groups (``sybils="share"``), or the
+    updates' norms alone (``"off"``); the window state changes only once the estimator returns.
 
     The state is a plain tree (what ``state_dict`` returns and ``load_state_dict`` checks against
     ``_state_spec``): "history", the earlier rounds of the window, oldest first, each a record of that
@@ -140,7 +137,6 @@ class _WindowRule(BaseRule):
         )
 
     paper = PAPER
-    screens_in_first_pass = True
 
     def __init__(self, window: int, max_iter: int, tol: float | None, sybils: str = "share"):
         self.window = check_int(f"{self.name}: window", window, minimum=1)
@@ -153,32 +149,49 @@ class _WindowRule(BaseRule):
         self._shared: dict[str, Any] = {}  # global estimates (ICOV hyper-parameters)
         self._warned_convergence = False  # a ConvergenceWarning is raised once per rule object
 
-    def _fit(self, round: Round, estimator, **options):
+    def first_pass(self, round: Round) -> FirstPass:
+        if self.sybils == "off":
+            return FirstPass(None, row_norms(round.updates))
+        return FirstPass(*pairwise_sq_distances(round.updates))
+
+    def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
+        groups = self._groups(round, first)
+        if (out := self._degenerate(round, groups)) is not None:
+            return out
+        fit_round = _representatives(round, groups)
+        # the Gram matrix's norms serve the estimator's own passes when it sees the round itself
+        norms = first.norms if first.value is not None and groups.trivial else None
+        return self._estimate(round, groups, fit_round, _task(fit_round, norms))
+
+    def _estimate(self, round: Round, groups: Groups, fit_round: Round, task: Tasks) -> Aggregate:
+        """Fit the estimator to ``task`` (``fit_round``: one update per group), update the state, and
+        return the round's aggregate."""
+        raise NotImplementedError
+
+    def _fit(self, task: Tasks, estimator, **options):
         """Run ``estimator`` on the round as one task. A fit that breaks down (a singular system, a
         non-finite consensus or noise: updates near the dtype's limits, whose squares the Gram
         statistics cannot hold) raises a ``ValueError`` naming the rule, before any state is changed: the
         round is not aggregated, never aggregated to NaN."""
         try:
-            res = estimator(_task(round), **options)
-        except UnscreenedUpdates:
-            raise
+            res = estimator(task, **options)
         except (torch.linalg.LinAlgError, ArithmeticError, ValueError) as exc:
-            raise ValueError(
-                f"{self.name}: the fit broke down on this round ({exc}){self._scale(round)}"
+            raise RoundRefused(
+                f"{self.name}: the fit broke down on this round ({exc}){self._scale(task)}"
             ) from exc
         if not all(bool(torch.isfinite(t).all()) for t in (res.consensus, res.noise, res.weights)):
-            raise ValueError(f"{self.name}: the fit is not finite on this round{self._scale(round)}")
+            raise RoundRefused(f"{self.name}: the fit is not finite on this round{self._scale(task)}")
         return res
 
-    def _groups(self, round: Round) -> Groups:
-        """This round's groups of near-duplicate updates. The distances' pass takes the round's norms, so
-        it screens the round before any state is read. With ``sybils="off"`` every client is its own
-        group, unless all the updates are identical (one group: a degenerate round)."""
+    def _groups(self, round: Round, first: FirstPass) -> Groups:
+        """This round's groups of near-duplicate updates (from the first pass's distances). With
+        ``sybils="off"`` every client is its own group, unless all the updates are identical (one group:
+        a degenerate round)."""
         if self.sybils == "off":
             if round.n > 1 and all_identical(round.updates):
                 return Groups.one(round.n, f"{round.n} identical updates")
             return Groups.singletons(round.n)
-        return find_groups(round)
+        return near_duplicates(round.updates, first.value, first.norms)
 
     def _share_info(self, round: Round, groups: Groups) -> dict:
         return {} if self.sybils == "off" else {"groups": groups.info(round.client_ids)}
@@ -188,9 +201,6 @@ class _WindowRule(BaseRule):
         the reason; the state is unchanged."""
         if groups.count > 1 or round.n < 2:
             return None
-        hook = round.norms_for_pass().get("on_norms")
-        if hook is not None:  # screened before anything is returned (identical Inf rows are quarantined)
-            hook(row_norms(round.updates))
         x = round.updates
         weights = torch.full((round.n,), 1.0 / round.n, dtype=x.dtype, device=x.device)
         reason = (
@@ -200,20 +210,16 @@ class _WindowRule(BaseRule):
         info = {"degenerate": reason, **self._share_info(round, groups)}
         return Aggregate(groups.means(x)[0], weights, info)
 
-    def _fit_or_fallback(self, round: Round, estimator, fallback, fallback_options: dict, **options):
+    def _fit_or_fallback(self, task: Tasks, estimator, fallback, fallback_options: dict, **options):
         """:meth:`_fit`, or where the fit breaks down, ``fallback`` (the IVAR estimator of the same kind)
         on this round alone with ``fallback_options``. Returns (result, reason or None); a failing fallback
         raises the first error."""
         try:
-            return self._fit(round, estimator, **options), None
-        except UnscreenedUpdates:
-            raise
-        except ValueError as exc:
-            if not round.norms_taken:
-                raise
+            return self._fit(task, estimator, **options), None
+        except RoundRefused as exc:
             try:
-                result = self._fit(round, fallback, **fallback_options)
-            except ValueError:
+                result = self._fit(task, fallback, **fallback_options)
+            except RoundRefused:
                 raise exc from None
             reason = (
                 f"{exc} -> fitted by {fallback.__name__} instead (the model without its correlated part); "
@@ -222,11 +228,9 @@ class _WindowRule(BaseRule):
             return result, reason
 
     @staticmethod
-    def _scale(round: Round) -> str:
+    def _scale(task: Tasks) -> str:
         tail = ": the round is not aggregated and the rule's state is unchanged"
-        if not round.norms_taken:  # (taking them here would tell the front door the round was screened)
-            return tail
-        norms = round.norms
+        norms = task.norms if task.norms is not None else row_norms(task.x)
         return f" (update norms {float(norms.min()):.3g} to {float(norms.max()):.3g})" + tail
 
     def _finish(self, round: Round, result, extra_info: dict) -> Aggregate:
@@ -295,10 +299,7 @@ class IvarMLE(_WindowRule):
     def _history_spec(self) -> Spec:
         return Dict(Float(minimum=0.0))  # client id -> its mean squared residual that round
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        groups = self._groups(round)
-        if (out := self._degenerate(round, groups)) is not None:
-            return out
+    def _estimate(self, round: Round, groups: Groups, fit_round: Round, task: Tasks) -> Aggregate:
         ids = round.client_ids
         past = IvarPast(
             groups.pool(torch.tensor([sum(h.get(i, 0.0) for h in self._history) for i in ids],
@@ -306,7 +307,7 @@ class IvarMLE(_WindowRule):
             groups.pool(torch.tensor([sum(i in h for h in self._history) for i in ids], dtype=torch.float64)),
         )  # fmt: skip
         init_noise = groups.pool(self._known(ids, "noise"))
-        res = self._fit(_representatives(round, groups), ivar_mle, max_iter=self.max_iter, tol=self.tol,
+        res = self._fit(task, ivar_mle, max_iter=self.max_iter, tol=self.tol,
                         eps=self.eps, init_noise=init_noise, past=past)  # fmt: skip
         self._history.append(dict(zip(ids, groups.expand(res.past.total).tolist(), strict=True)))
         for i, noise in zip(ids, groups.expand(res.noise).tolist(), strict=True):
@@ -331,10 +332,7 @@ class IvarVB(_WindowRule):
     def _shared_spec(self) -> Spec:
         return Fields(optional={"tau2": Float(positive=True)})
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        groups = self._groups(round)
-        if (out := self._degenerate(round, groups)) is not None:
-            return out
+    def _estimate(self, round: Round, groups: Groups, fit_round: Round, task: Tasks) -> Aggregate:
         ids = round.client_ids
         totals = [sum(h["clients"].get(i, 0.0) for h in self._history) for i in ids]
         counts = [sum(i in h["clients"] for h in self._history) for i in ids]
@@ -345,7 +343,7 @@ class IvarVB(_WindowRule):
             float(len(self._history)),
         )  # fmt: skip
         res = self._fit(
-            _representatives(round, groups), ivar_vb, max_iter=self.max_iter, tol=self.tol,
+            task, ivar_vb, max_iter=self.max_iter, tol=self.tol,
             init_noise=groups.pool(self._known(ids, "noise")), tau2=self._shared.get("tau2"), past=past,
         )  # fmt: skip
         self._history.append(
@@ -403,10 +401,7 @@ class IcovMLE(_WindowRule):
     def _shared_spec(self) -> Spec:
         return Fields(optional={"sigma_u2": Float(positive=True)})
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        groups = self._groups(round)
-        if (out := self._degenerate(round, groups)) is not None:
-            return out
+    def _estimate(self, round: Round, groups: Groups, fit_round: Round, task: Tasks) -> Aggregate:
         ids = round.client_ids
         masks, grams = [], []
         for entry in self._history:
@@ -419,7 +414,6 @@ class IcovMLE(_WindowRule):
             masks.append(mask)
             grams.append(gram)
         past = IcovMlePast(torch.stack(masks), torch.stack(grams)) if masks else None
-        fit_round = _representatives(round, groups)
         fresh = latent_init(fit_round.client_ids, self.latent_dim, self.seed)
         v = _start(groups, [self._clients.get(i, {}).get("v") for i in ids], fresh)
         init = {"V": v, "noise": groups.pool(self._known(ids, "noise"))}
@@ -429,7 +423,7 @@ class IcovMLE(_WindowRule):
             del init["noise"]
         plain = {"max_iter": self.max_iter, "tol": self.tol, "init_noise": init.get("noise")}
         res, fallback = self._fit_or_fallback(
-            fit_round, icov_mle, ivar_mle, plain, latent_dim=self.latent_dim, max_iter=self.max_iter,
+            task, icov_mle, ivar_mle, plain, latent_dim=self.latent_dim, max_iter=self.max_iter,
             steps=self.steps, tol=self.tol, seed=self.seed, source_keys=fit_round.client_ids, init=init,
             past=past,
         )  # fmt: skip
@@ -498,10 +492,7 @@ class IcovVB(_WindowRule):
             }
         )
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        groups = self._groups(round)
-        if (out := self._degenerate(round, groups)) is not None:
-            return out
+    def _estimate(self, round: Round, groups: Groups, fit_round: Round, task: Tasks) -> Aggregate:
         ids = round.client_ids
         d = self.latent_dim
         past = None
@@ -517,7 +508,6 @@ class IcovVB(_WindowRule):
             past = piece if past is None else past.cat(piece)
         init = dict(self._shared)
         init["noise"] = groups.pool(self._known(ids, "noise"))
-        fit_round = _representatives(round, groups)
         if any(i in self._clients for i in ids):
             scale = torch.as_tensor(self._shared.get("sigma_v2", 1.0), dtype=torch.float64).expand(d)
             fresh = latent_init(fit_round.client_ids, d, self.seed, scale.sqrt())
@@ -527,7 +517,7 @@ class IcovVB(_WindowRule):
             init["Psi"] = _start(groups, [None if k is None else k["psi"] for k in known], eye)
         plain = {"max_iter": self.max_iter, "tol": self.tol, "init_noise": init["noise"]}
         res, fallback = self._fit_or_fallback(
-            fit_round, icov_vb, ivar_vb, plain, latent_dim=d, noise=self.noise, max_iter=self.max_iter,
+            task, icov_vb, ivar_vb, plain, latent_dim=d, noise=self.noise, max_iter=self.max_iter,
             tol=self.tol, seed=self.seed, source_keys=fit_round.client_ids, init=init, past=past,
         )  # fmt: skip
         if fallback is not None:

@@ -3,7 +3,6 @@ estimators share. Missing entries are normal: sources skip tasks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,15 +17,12 @@ CHUNK_BYTES = 1 << 22
 @dataclass(frozen=True)
 class Tasks:
     """x: (I, J, K) estimates (zero where missing); mask: (I, J), True where source j reported on task i;
-    norms: optional (I, J) float64 norms of the estimates when already known (an aggregation round's
-    screening takes them), so passes over the data need not.
-    on_norms: optional hook the first pass hands the (I, J) norms it takes (an aggregation round screens
-    on them: ``Round.adopt_norms``)."""
+    norms: optional (I, J) float64 norms of the estimates when already known (an aggregation rule's first
+    pass takes them), so passes over the data need not."""
 
     x: torch.Tensor
     mask: torch.Tensor
     norms: torch.Tensor | None = None
-    on_norms: Callable[[torch.Tensor], None] | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -130,9 +126,6 @@ class TaskGram:
             torch.linalg.vector_norm(c, dim=1, out=mean_sq[b]).square_()
         f64 = torch.float64
         out = TaskGram(centred.to(f64).sum(0), cross[..., 0].to(f64).sum(0), mean_sq.to(f64).sum(0))
-        if t.on_norms is not None and t.norms is None:  # ||x_ij||^2 = ||r_ij||^2 + 2 r_ij . c_i + ||c_i||^2
-            sq = out.centred.diagonal(dim1=1, dim2=2) + 2 * out.cross + out.mean_sq[:, None]
-            t.on_norms((sq.clamp_min(0) * t.m).sqrt())
         return out
 
     def form(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -175,7 +168,7 @@ class TaskPasses:
     so the consensus of the final weights costs no further pass."""
 
     def __init__(self, t: Tasks):
-        self.passes = CombinationPasses(t.x, norms=t.norms, on_norms=t.on_norms)
+        self.passes = CombinationPasses(t.x, norms=t.norms)
         self.combination: torch.Tensor | None = None
 
     def residuals(self, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

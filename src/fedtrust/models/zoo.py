@@ -7,9 +7,9 @@ import math
 from torch import nn
 
 from fedtrust._checks import check_int
-from fedtrust._registry import build
 from fedtrust.data.datasets import Dataset
 from fedtrust.models.flat import FlatModel
+from fedtrust.registry import build
 
 
 def _outputs(dataset: Dataset) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from fedtrust.probabilistic.posterior import (
     noise_precision,
     omc_predictive,
 )
+from fedtrust.server import server_step
 from fedtrust.sim.batched import Stacked, batched_local_sgd, batched_minibatch_gradients, mean_losses
 from fedtrust.sim.federation import Federation
 from fedtrust.sim.scoring import detection_auroc
@@ -72,6 +72,7 @@ class Simulation:
         self.vector = self.initial.clone()
         self.posterior: GaussianPosterior | None = None
         self.failure: str | None = None  # why the last run failed (see run), None when it did not
+        self.diverged = False  # the last round's aggregate would have made the global model non-finite
         self._posterior_data: list = []
         convolutional = any(isinstance(m, torch.nn.Conv2d) for m in model.module.modules())
         self.batched = settings.executor == "batched" or (settings.executor == "auto" and not convolutional)
@@ -211,21 +212,14 @@ class Simulation:
             reference=reference,
         )
         rule_began = time.perf_counter()
-        error, weights, info, quarantined = None, [math.nan] * len(chosen), {}, {}
-        try:
-            out = self.rule(round_)
-        except Exception as exc:  # noqa: BLE001 - the round is skipped and recorded, the run goes on
-            error = f"{type(exc).__name__}: {exc}"
-        else:
-            before = self.initial if self.settings.mode == "one_round" else self.vector
-            self.vector = self._after(out.vector).detach()
-            weights = out.weights.tolist()
-            if "posterior_var" in out.info and self.settings.mode != "gradient":
-                self.posterior = GaussianPosterior(self.vector, out.info["posterior_var"].detach(),
-                                                   before + round_.updates, out.weights.detach())  # fmt: skip
-                self._posterior_data = [self.fed.data[k] for k in chosen]
-            info = _json_scalars(out.info)
-            quarantined = {str(k): v for k, v in out.info.get("quarantined", {}).items()}
+        before = self.initial if self.settings.mode == "one_round" else self.vector
+        result = server_step(self.rule, round_, self.vector, self._after)
+        self.vector, self.diverged = result.vector, result.diverged
+        out = result.aggregate
+        if result.applied and "posterior_var" in out.info and self.settings.mode != "gradient":
+            self.posterior = GaussianPosterior(self.vector, out.info["posterior_var"].detach(),
+                                               before + round_.updates, out.weights.detach())  # fmt: skip
+            self._posterior_data = [self.fed.data[k] for k in chosen]
         rule_seconds = time.perf_counter() - rule_began
         last = t == self.rounds
         evaluated = None
@@ -238,12 +232,12 @@ class Simulation:
             "clients": list(round_.client_ids),
             "num_samples": [sizes[k] for k in chosen],
             "corrupted": corrupted,
-            "weights": weights,
+            "weights": result.weights,
             "train_loss": metrics["train_loss"].tolist() if "train_loss" in metrics else None,
-            "auroc": None if error else detection_auroc(weights, corrupted),
-            "quarantined": quarantined,
-            "info": info,
-            "error": error,
+            "auroc": None if result.error else detection_auroc(result.weights, corrupted),
+            "quarantined": result.quarantined,
+            "info": result.info,
+            "error": result.error,
             "rule_seconds": rule_seconds,
             "seconds": time.perf_counter() - began,
         }
@@ -287,7 +281,7 @@ class Simulation:
         for t in range(first, self.rounds + 1):
             record = self.step(t)
             records.append(record)
-            diverged = not bool(torch.isfinite(self.vector).all())
+            diverged = self.diverged
             if store is not None:
                 store.append_round(record)
                 if not diverged and t == self.rounds:  # before the last checkpoint: a resume cannot redo it
@@ -366,24 +360,3 @@ def final_metrics(records: list[dict]) -> dict | None:
         if r.get("metrics"):
             return {"round": r["round"], **r["metrics"]}
     return None
-
-
-def _json_scalars(info: dict[str, Any]) -> dict[str, Any]:
-    """The JSON-friendly part of a rule's info: numbers, strings, bools, and lists (at most 1000 long) or
-    string-keyed dicts of them, nested (a sybil rule's ``groups``: ``[{"clients": [...], "reason": ...}]``);
-    tensors are left out."""
-    return {
-        k: list(v) if isinstance(v, tuple) else v
-        for k, v in info.items()
-        if k not in ("clients", "quarantined") and _plain(v)
-    }
-
-
-def _plain(v: Any) -> bool:
-    if isinstance(v, bool | int | float | str) or v is None:
-        return True
-    if isinstance(v, list | tuple):
-        return len(v) <= 1000 and all(_plain(e) for e in v)
-    if isinstance(v, dict):
-        return len(v) <= 1000 and all(isinstance(k, str) and _plain(e) for k, e in v.items())
-    return False

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fedtrust._registry import UnknownNameError
-from fedtrust.aggregators.core import Aggregate, BaseRule, Round
-from fedtrust.aggregators.registry import rule as build_rule
+from fedtrust.aggregators.base import BaseRule
+from fedtrust.aggregators.core import Aggregate, Round
+from fedtrust.aggregators.mean import Mean
+from fedtrust.aggregators.screening import FirstPass, has_first_pass
 from fedtrust.probabilistic.posterior import fit_posterior
 
 
@@ -19,27 +20,41 @@ class FedAG(BaseRule):
     neither drag the mean nor inflate the uncertainty. ``info["posterior_var"]`` holds sigma^2 (d,).
 
     Updates are deltas from the global model, so sigma^2 is also the variance of the client models.
+    ``base`` is a rule object; by name, ``fedtrust.rule("fedag", base="ivar_vb", base_options={...})``.
     """
 
     name = "fedag"
     paper = "Thorgeirsson, Gauterin 2021, Probabilistic Predictions with Federated Learning (FedAG)"
 
-    def __init__(self, base: str = "mean", base_options: dict | None = None):
-        if base == "fedag":
+    def __init__(self, base: BaseRule | None = None):
+        base = Mean() if base is None else base
+        if not isinstance(base, BaseRule):
+            raise TypeError(f"fedag: base must be a fedtrust rule, got {type(base).__name__}")
+        if isinstance(base, FedAG):
             raise ValueError("fedag: base cannot be fedag itself")
-        try:
-            self._base = build_rule(base, **(base_options or {}))
-        except UnknownNameError as exc:
-            raise UnknownNameError(f"fedag: base {exc}") from None
-        self.base = base
-        self.base_options = dict(base_options or {})
+        self._base = base
+
+    @property
+    def base(self) -> BaseRule:
+        return self._base
+
+    def options(self) -> dict[str, Any]:
+        return {"base": self._base.name, "base_options": self._base.options()}
 
     @property
     def requires(self) -> tuple[str, ...]:  # whatever the base rule reads
         return self._base.requires
 
-    def aggregate(self, round: Round, n_quarantined: int = 0) -> Aggregate:
-        out = self._base.aggregate(round, n_quarantined)
+    def first_pass(self, round: Round) -> FirstPass:  # the base rule's, or the norms alone
+        if has_first_pass(self._base):
+            return self._base.first_pass(round)
+        return FirstPass(None, round.norms)
+
+    def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
+        if has_first_pass(self._base):
+            out = self._base.aggregate(round, first)
+        else:
+            out = self._base.aggregate(round)
         posterior = fit_posterior(round.updates, out.weights, mean=out.vector)
         info = dict(out.info)
         info["posterior_var"] = posterior.var
@@ -59,4 +74,4 @@ class FedAG(BaseRule):
         try:
             self._base.load_state_dict(state)
         except (ValueError, TypeError) as exc:
-            raise type(exc)(f"{self.name} (base {self.base}): {exc}") from None
+            raise type(exc)(f"{self.name} (base {self._base.name}): {exc}") from None

@@ -1,10 +1,10 @@
-"""Name -> builder tables with one way of reporting a wrong name or option, shared by every component kind
-(rules, datasets, partitioners, corruptions, attacks, models)."""
+"""The one registry mechanism: name -> builder tables with one way of reporting a wrong name or option,
+shared by every component kind (rules in :mod:`fedtrust.rules`; datasets, partitioners, corruptions,
+attacks, models beside their code)."""
 
 from __future__ import annotations
 
 import difflib
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from functools import cache
@@ -33,9 +33,8 @@ def _options(builder: Callable) -> tuple[tuple[str, Any], ...]:
     )
 
 
-def lookup(kind: str, table: Mapping[str, Callable | str], name: Any) -> Callable:
-    """``table[name]``; an entry may be a "module:attribute" string, imported on first use (so a table
-    can name builders that live in layers below it)."""
+def lookup(kind: str, table: Mapping[str, Callable], name: Any) -> Callable:
+    """``table[name]``, or an error naming the valid names (and the closest one)."""
     if not isinstance(name, str):
         raise UnknownNameError(f"a {kind} name must be a string, got {name!r}")
     try:
@@ -44,9 +43,6 @@ def lookup(kind: str, table: Mapping[str, Callable | str], name: Any) -> Callabl
         close = difflib.get_close_matches(name, list(table), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise UnknownNameError(f"unknown {kind} {name!r}.{hint} Valid {kind}s: {', '.join(table)}") from None
-    if isinstance(entry, str):
-        module, _, attribute = entry.partition(":")
-        entry = getattr(importlib.import_module(module), attribute)
     return entry
 
 

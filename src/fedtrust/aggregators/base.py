@@ -1,0 +1,74 @@
+"""The base class of the built-in rules: a name, a paper, the metrics a rule reads, and the front door.
+
+A rule is ``aggregate(round) -> Aggregate`` on a round whose malformed clients are already gone; calling
+the rule (``rule(round)``) goes through the front door (:func:`~fedtrust.aggregators.screening.call_rule`),
+which screens the round first. A complete rule::
+
+    import torch
+    from fedtrust.aggregators import Aggregate, BaseRule, Round
+
+    class NormCapped(BaseRule):
+        \"\"\"The mean of the updates whose norm is at most ``cap`` times the median norm.\"\"\"
+
+        name = "norm_capped"
+        paper = "a norm filter (e.g. Sun et al. 2019, Can You Really Backdoor Federated Learning?)"
+
+        def __init__(self, cap: float = 3.0):
+            self.cap = cap
+
+        def aggregate(self, round: Round) -> Aggregate:
+            norms = round.norms                      # float64, taken once (the front door's screen)
+            keep = norms <= self.cap * norms.median()
+            w = keep.to(round.updates.dtype) / keep.sum()
+            return Aggregate(w @ round.updates, w, {"clients": {"norm": norms}})
+
+A rule whose first pass over the updates can also take their norms (a Gram matrix, a sort, a fused
+combination) says so with ``first_pass(round) -> FirstPass``; it is then called as
+``aggregate(round, first)`` (:mod:`fedtrust.aggregators.screening` explains the protocol).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from fedtrust.aggregators.core import Aggregate, Round
+from fedtrust.aggregators.screening import call_rule
+
+__all__ = ["BaseRule"]
+
+
+class BaseRule:
+    """Base of the built-in rules: ``rule(round)`` screens the round and calls :meth:`aggregate`.
+
+    Subclasses implement :meth:`aggregate` and set ``name`` (registry name), ``paper`` (the source, cited
+    in ``fedtrust rules``) and ``requires`` (client metrics the rule reads); a rule whose first pass over
+    the updates can take their norms may add ``first_pass`` (see the module docstring). Stateless rules
+    inherit an empty ``state_dict``.
+    """
+
+    name: ClassVar[str] = "base"
+    paper: ClassVar[str] = ""
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    def __call__(self, round: Round) -> Aggregate:
+        return call_rule(self, round)
+
+    def aggregate(self, round: Round) -> Aggregate:
+        """Aggregate a screened round (``round.quarantined`` lists the clients already removed)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{self.name} keeps no state across rounds, got state keys {sorted(state)}")
+
+    def options(self) -> dict[str, Any]:
+        """The rule's options as given at construction (for manifests and repr)."""
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({opts})"

@@ -1,0 +1,154 @@
+"""The front door every built-in rule is called through: screen the round, run the rule on the healthy
+clients, give the quarantined ones weight 0 and a recorded reason.
+
+Screening checks each client's reported scalars (sample count, the metrics the rule reads) and its update
+(finite entries, a norm whose square fits in the dtype). It needs every update's norm, one pass over the
+data. A rule whose own first pass over the updates can take those norms declares it with one hook,
+``first_pass(round) -> FirstPass``; the front door then screens on the norms that pass took and hands
+the pass to ``aggregate(round, first)``, so a clean round is read once less. A rule that does not care
+defines neither and is called as ``aggregate(round)`` on a screened round.
+
+The path of one call (``rule(round)``):
+
+1. scalars screened (cheap); a rule without a first pass also has its updates screened (one pass);
+2. ``first = rule.first_pass(round)`` on the unscreened round, when the rule has one and the scalars
+   are clean: if its norms (or its ``finite`` verdict) clear every update, ``rule.aggregate(round,
+   first)`` and done;
+3. otherwise the round is screened from scratch, the malformed clients are removed (their reasons in
+   ``Round.quarantined``) and the rule runs on the rest (``first_pass`` again, on the rest);
+4. the weights and per-client diagnostics are mapped back onto the round's clients.
+
+A first pass runs on data that may hold NaN or Inf: it does arithmetic only (no state change, no
+decision that could fail on a NaN) and leaves everything else to ``aggregate``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fedtrust.aggregators.core import Aggregate, NoValidUpdates, Round
+
+__all__ = ["FirstPass", "call_rule", "has_first_pass", "norm_limit", "screen"]
+
+
+@dataclass(frozen=True)
+class FirstPass:
+    """What a rule's first pass over a round's updates found.
+
+    value:  anything the rule wants back in ``aggregate(round, first)`` (distances, a sort, a mean).
+    norms:  (n,) norms of the updates, taken by the pass: the front door screens on them. A pass that
+            stops at a malformed update may return any norms with a non-finite entry there; the front door
+            then screens every update itself.
+    finite: instead of norms, the pass's result proves every entry finite (a positive combination of all
+            the updates, as the mean: a NaN or Inf anywhere would reach it). Finite updates too large to
+            square are then kept, harmless to such a rule.
+    """
+
+    value: Any = None
+    norms: torch.Tensor | None = None
+    finite: bool = False
+
+    def clears(self, round: Round) -> bool:
+        """Whether the pass shows every update of ``round`` sound."""
+        if self.norms is not None:
+            return bool((self.norms <= norm_limit(round.updates.dtype)).all())  # NaN <= limit is False
+        return self.finite
+
+
+def norm_limit(dtype: torch.dtype) -> float:
+    """The largest norm an update may have: its square must be representable."""
+    return math.sqrt(torch.finfo(dtype).max)
+
+
+def screen(round: Round, requires: Sequence[str] = (), updates: bool = True) -> dict[int, str]:
+    """Positions of the round's malformed clients -> reason: a reported count or a required metric that
+    is not finite (or a negative count), and with ``updates`` an update with a non-finite entry or a norm
+    overflowing its dtype (one pass over the updates: :attr:`Round.norms`)."""
+    bad = _screen_scalars(round, requires)
+    return {**bad, **_screen_updates(round)} if updates else bad
+
+
+def _screen_updates(round: Round) -> dict[int, str]:
+    x = round.updates
+    bad: dict[int, str] = {}
+    limit = norm_limit(x.dtype)
+    for i in torch.nonzero(~(round.norms <= limit)).flatten().tolist():  # NaN-safe: NaN <= limit is False
+        row = x[i]
+        nan, inf = int(torch.isnan(row).sum()), int(torch.isinf(row).sum())
+        if nan or inf:
+            bad[i] = f"update has non-finite entries ({nan} NaN, {inf} Inf of {round.d})"
+        else:
+            dtype = str(x.dtype).removeprefix("torch.")
+            bad[i] = f"update norm {float(row.double().norm()):.3g} overflows {dtype}"
+    return bad
+
+
+def _screen_scalars(round: Round, requires: Sequence[str]) -> dict[int, str]:
+    bad: dict[int, str] = {}
+    counts = round.num_samples
+    if not requires and len(counts) and float(counts.min()) >= 0 and math.isfinite(float(counts.sum())):
+        return bad  # the usual case in two reductions (a NaN fails the first test, an Inf the second)
+    for i in torch.nonzero(~(torch.isfinite(counts) & (counts >= 0))).flatten().tolist():
+        bad.setdefault(i, f"num_samples={counts[i].item()!r} is not a finite non-negative count")
+    for name in requires:
+        if name not in round.metrics:
+            raise ValueError(
+                f"this rule needs metric {name!r} in Round.metrics; got {sorted(round.metrics) or 'none'}"
+            )
+        values = round.metrics[name]
+        for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist():
+            bad.setdefault(i, f"metric {name}={values[i].item()!r} is not finite")
+    return bad
+
+
+def call_rule(rule: Any, round: Round) -> Aggregate:
+    """Screen ``round``, run ``rule`` (a :class:`~fedtrust.aggregators.base.BaseRule`) on its healthy
+    clients and map the result back (the module docstring walks through it). Raises
+    :class:`NoValidUpdates` when every client is malformed."""
+    if not isinstance(round, Round):
+        raise TypeError(f"{rule.name}: expected a fedtrust Round, got {type(round).__name__}")
+    fused = has_first_pass(rule)
+    if fused and not screen(round, rule.requires, updates=False):
+        first = rule.first_pass(round)
+        if first.clears(round):
+            return rule.aggregate(round, first)
+    bad = screen(round, rule.requires)
+    if not bad:
+        return _aggregate(rule, round, fused)
+    keep = [i for i in range(round.n) if i not in bad]
+    quarantined = {round.client_ids[i]: reason for i, reason in sorted(bad.items())}
+    if not keep:
+        detail = "; ".join(f"{k!r}: {v}" for k, v in quarantined.items())
+        raise NoValidUpdates(f"{rule.name}: all {round.n} clients were quarantined ({detail})")
+    out = _aggregate(rule, round.select(keep, quarantined=quarantined), fused)
+    return _expand(out, round.n, keep, quarantined)
+
+
+def _aggregate(rule: Any, round: Round, fused: bool) -> Aggregate:
+    return rule.aggregate(round, rule.first_pass(round)) if fused else rule.aggregate(round)
+
+
+def has_first_pass(rule: Any) -> bool:
+    """Whether ``rule`` declares a first pass of its own (a ``first_pass`` method)."""
+    return callable(getattr(rule, "first_pass", None))
+
+
+def _expand(out: Aggregate, n: int, keep: list[int], quarantined: dict) -> Aggregate:
+    idx = torch.as_tensor(keep, device=out.weights.device)
+    weights = torch.zeros(n, dtype=out.weights.dtype, device=out.weights.device)
+    weights[idx] = out.weights
+    info = dict(out.info)
+    clients = {}
+    for key, value in info.get("clients", {}).items():
+        full = torch.full((n,), math.nan, dtype=torch.float64, device=value.device)
+        full[idx] = value.to(torch.float64)
+        clients[key] = full
+    if clients:
+        info["clients"] = clients
+    info["quarantined"] = quarantined
+    return Aggregate(out.vector, weights, info)

@@ -1,0 +1,1 @@
+"""The in-process federated simulator: clients, local training, the round loop, run files."""
