@@ -62,7 +62,8 @@ def main(rounds: int = 10) -> dict:
     records = build_simulation(cfg).run()
     last = records[-1]
     corrupted = sum(w for w, bad in zip(last["weights"], last["corrupted"], strict=True) if bad)
-    print(f"after {rounds} rounds: accuracy {last['metrics']['accuracy']:.3f}, weight on corrupted {corrupted:.3f}")
+    accuracy = last["metrics"]["accuracy"]
+    print(f"after {rounds} rounds: accuracy {accuracy:.3f}, weight on corrupted {corrupted:.3f}")
     return {"one_round": out, "records": records}
 
 

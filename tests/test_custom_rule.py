@@ -23,7 +23,9 @@ def example():
 
 def test_the_example_rule_runs_by_name_in_a_round_and_in_a_simulation(example):
     out = example["main"](rounds=3)
-    assert out["one_round"].weights[5] == 0 and torch.allclose(out["one_round"].weights[:5], torch.full((5,), 0.2))
+    assert out["one_round"].weights[5] == 0 and torch.allclose(
+        out["one_round"].weights[:5], torch.full((5,), 0.2)
+    )
     last = out["records"][-1]
     assert last["error"] is None and last["metrics"]["accuracy"] > 0.5
     assert sum(w for w, bad in zip(last["weights"], last["corrupted"], strict=True) if bad) < 0.01

@@ -272,3 +272,19 @@ def test_iterative_rules_give_the_same_aggregate_whichever_way_the_norms_were_ta
     b = rule(name)(given)
     torch.testing.assert_close(b.weights, a.weights, **dtype_tol(x.dtype, 1))
     torch.testing.assert_close(b.vector, a.vector, **dtype_tol(x.dtype, 1, x.abs().max()))
+
+
+@pytest.mark.parametrize("name", available())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_identical_clients_get_identical_trust_whatever_their_order(name, dtype):
+    """Sybils must not be told apart by their position: two clients that send the same update with the
+    same reports get the same weight from every rule (Krum used to give the first 1 and the copy 0)."""
+    base = random_round(3, dtype=dtype)
+    x = base.updates.clone()
+    counts, losses = base.num_samples.clone(), base.metrics["train_loss"].clone()
+    for k in (4, 8):  # clients 4 and 8 copy client 1, whose update is chosen by Krum here
+        x[k], counts[k], losses[k] = x[1], counts[1], losses[1]
+    r = Round(updates=x, client_ids=base.client_ids, num_samples=counts,
+              metrics={"train_loss": losses}, reference=benchmark_loss)  # fmt: skip
+    w = make(name)(r).weights
+    torch.testing.assert_close(w[[4, 8]], w[[1, 1]], **dtype_tol(dtype, 8))

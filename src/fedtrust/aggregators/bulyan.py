@@ -14,7 +14,7 @@ from fedtrust.aggregators.kernels import (
     sorted_columns,
     window_slots,
 )
-from fedtrust.aggregators.krum import krum_order
+from fedtrust.aggregators.krum import copies_alike, krum_order
 from fedtrust.aggregators.median import median_window
 from fedtrust.aggregators.screening import FirstPass
 
@@ -42,7 +42,8 @@ class Bulyan(BaseRule):
     M[i] = argmin_{|R| = beta} sum_{X in R} |X[i] - med[i]|). Needs n >= 4f + 3.
 
     f: assumed number of Byzantine clients (int) or fraction of the round's clients (float).
-    Trust weight of a client: its share of the (coordinate, beta) slots of the final average.
+    Trust weight of a client: its share of the (coordinate, beta) slots of the final average, shared
+    evenly within each group of copies (identical updates get identical trust, whatever their order).
     """
 
     name = "bulyan"
@@ -76,7 +77,7 @@ class Bulyan(BaseRule):
             "beta": beta,
             "selected": [round.client_ids[i] for i in selected.tolist()],
         }
-        return Aggregate(vector, weights, info)
+        return Aggregate(vector, copies_alike(round, first, weights), info)
 
 
 def closest_to_median(block: np.ndarray, selected: np.ndarray, beta: int) -> tuple[np.ndarray, np.ndarray]:

@@ -9,6 +9,7 @@ from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round, byzantine_budget, check_f
 from fedtrust.aggregators.kernels import pairwise_sq_distances, weighted_sum
 from fedtrust.aggregators.screening import FirstPass
+from fedtrust.aggregators.sybils import near_duplicates
 
 
 def krum_order(sq_dist: torch.Tensor, neighbours: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +35,8 @@ class Krum(BaseRule):
     ``argmin_i sum_{i -> j} ||x_i - x_j||^2`` (Blanchard et al. 2017, Section 4). Needs n > 2f + 2.
 
     f: assumed number of Byzantine clients (int), or a fraction of the round's clients (float).
-    Squared distances come from one Gram matrix. Trust: 1 for the chosen client.
+    Squared distances come from one Gram matrix. Trust: 1 for the chosen client, shared evenly with its
+    copies (identical updates get identical trust, whatever their order).
     """
 
     name = "krum"
@@ -57,6 +59,7 @@ class Krum(BaseRule):
         best = int(order[0])
         w = torch.zeros(round.n, dtype=round.updates.dtype, device=round.updates.device)
         w[best] = 1.0
+        w = copies_alike(round, first, w)
         info = {"f": f, "selected": [round.client_ids[best]], "clients": {"score": scores}}
         return Aggregate(round.updates[best].clone(), w, info)
 
@@ -66,7 +69,8 @@ class MultiKrum(Krum):
     (Blanchard et al. 2017, Section 5). Needs n > 2f + 2.
 
     f: assumed number of Byzantine clients (int) or fraction (float).
-    m: how many to average; default n - f. Trust: 1/m for each selected client.
+    m: how many to average; default n - f. Trust: 1/m for each selected client (a group of copies that
+    the cut splits shares its selected weight evenly: the aggregate is the same).
     """
 
     name = "multi_krum"
@@ -81,6 +85,7 @@ class MultiKrum(Krum):
         chosen = order[:m]
         w = torch.zeros(round.n, dtype=round.updates.dtype, device=round.updates.device)
         w[chosen] = 1.0 / m
+        w = copies_alike(round, first, w)
         info = {
             "f": f,
             "m": m,
@@ -88,3 +93,8 @@ class MultiKrum(Krum):
             "clients": {"score": scores},
         }
         return Aggregate(weighted_sum(round.updates, w), w, info)
+
+
+def copies_alike(round: Round, first: FirstPass, weights: torch.Tensor) -> torch.Tensor:
+    """``weights`` with each group of copies (to the dtype's rounding) sharing its total evenly."""
+    return near_duplicates(round.updates, first.value, first.norms, relative=0.0).even_out(weights)

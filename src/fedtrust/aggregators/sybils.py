@@ -146,6 +146,12 @@ class Groups:
         out = torch.where(count > 0, total / count.clamp_min(1), torch.full_like(total, math.nan))
         return out.reshape(self.count, *values.shape[1:])
 
+    def even_out(self, weights: torch.Tensor) -> torch.Tensor:
+        """(n,) -> (n,): each member gets its group's mean weight, the group's total unchanged. For a rule
+        that picks among copies by position (Krum, Bulyan): copies get identical trust, so sybils are not
+        told apart by their order, and the aggregate is the same (the copies' updates are)."""
+        return weights if self.trivial else self.expand(self.pool(weights))
+
     def info(self, client_ids) -> list[dict]:
         """The groups of two or more as ``{"clients": [ids], "reason": text}``."""
         return [
