@@ -265,3 +265,23 @@ def test_row_gram_is_the_gram_matrix_however_it_is_split(shape):
     got = kernels.row_gram(r)
     assert got.shape == exact.shape
     torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [(3, 4), (1, 4), (0, 2), (2, 5), (0, 7)])
+def test_the_torch_path_shares_ties_as_the_cpu_path_does(window):
+    """One tie rule on every path: the sort-based path (every non-CPU device) gives tied clients the
+    same shares as the compiled and numpy CPU paths, on columns full of ties."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(-2, 3, (7, 500), generator=g).float()  # five values over seven clients: ties everywhere
+    x[5] = x[2]  # and a copy
+    lo, hi = window
+    values, weights, _ = rank_window(x, lo, hi)
+    by_sort = rank_window_by_sort(x, lo, hi)
+    torch.testing.assert_close(by_sort[0], values)
+    torch.testing.assert_close(by_sort[1], weights)
+    assert by_sort[1][5] == by_sort[1][2]
+    honest = torch.tensor([[-2.0, 5.0], [-1.0, 6.0], [3.0, 9.0], [4.0, 10.0]])
+    tied = torch.cat([honest, torch.tensor([[0.5, 7.0]]).expand(3, 2)])
+    torch.testing.assert_close(
+        rank_window_by_sort(tied, 3, 4)[1], torch.tensor([0, 0, 0, 0, 1 / 3, 1 / 3, 1 / 3])
+    )

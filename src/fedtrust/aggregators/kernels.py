@@ -434,10 +434,19 @@ def rank_window(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.
 
 
 def rank_window_by_sort(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference for :func:`rank_window`: sort every chunk (ties broken by position)."""
-
-    def window(chunk):
-        ordered, index = chunk.sort(dim=0, stable=True)
-        return ordered[lo:hi].mean(0), index[lo:hi]
-
-    return coordinatewise(x, window)
+    """The torch path of :func:`rank_window` (any device), with the CPU path's tie rule: a value held by c
+    clients of a column that the window keeps k times (0 < k <= c) gives each of them k / c slots, so
+    clients tied across a window edge share its slots evenly, whatever their order. Per column: sort,
+    then each entry's first rank and count among equal values by ``searchsorted``."""
+    n, d = x.shape
+    out = torch.empty(d, dtype=x.dtype, device=x.device)
+    slots = torch.zeros(n, dtype=torch.float64, device=x.device)
+    for cols in column_chunks(x):
+        t = x[:, cols].T.contiguous()  # (c, n): a row per column
+        ordered = t.sort(dim=1).values
+        out[cols] = ordered[:, lo:hi].mean(1)
+        below = torch.searchsorted(ordered, t, right=False)  # each entry's first rank among its equals
+        count = torch.searchsorted(ordered, t, right=True) - below
+        kept = (torch.clamp(below + count, max=hi) - torch.clamp(below, min=lo)).clamp_min(0)
+        slots += (kept.to(torch.float64) / count.clamp_min(1).to(torch.float64)).sum(0)
+    return out, (slots / slots.sum()).to(x.dtype)
