@@ -285,3 +285,19 @@ def test_the_torch_path_shares_ties_as_the_cpu_path_does(window):
     torch.testing.assert_close(
         rank_window_by_sort(tied, 3, 4)[1], torch.tensor([0, 0, 0, 0, 1 / 3, 1 / 3, 1 / 3])
     )
+
+
+def test_bulyans_torch_path_shares_ties_as_the_cpu_path_does():
+    """Bulyan's second phase on the torch path (every non-CPU device) picks the same window and shares
+    tied slots the same way as the CPU path, on columns full of ties."""
+    from fedtrust.aggregators.kernels import map_column_blocks
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randint(-2, 3, (11, 400), generator=g).float()
+    x[7] = x[3]
+    selected = torch.tensor([0, 1, 2, 3, 4, 5, 7, 9, 10])
+    cpu = map_column_blocks(x, lambda b: closest_to_median(b, selected.numpy(), 5))
+    torch_path = closest_to_median_by_sort(x, selected, 5)
+    torch.testing.assert_close(torch_path[0], cpu[0])
+    torch.testing.assert_close(torch_path[1], cpu[1])
+    assert torch_path[1][7] == torch_path[1][3]

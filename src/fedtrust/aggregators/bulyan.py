@@ -8,7 +8,7 @@ import torch
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round, byzantine_budget, check_f
 from fedtrust.aggregators.kernels import (
-    coordinatewise,
+    column_chunks,
     map_column_blocks,
     pairwise_sq_distances,
     sorted_columns,
@@ -102,13 +102,27 @@ def closest_to_median(block: np.ndarray, selected: np.ndarray, beta: int) -> tup
 
 
 def closest_to_median_by_sort(x: torch.Tensor, selected: torch.Tensor, beta: int):
-    """The same with torch ops on x's device (and the reference for the CPU path)."""
-    lo, hi = median_window(len(selected))
-
-    def window(chunk):
-        sub = chunk.index_select(0, selected)
-        med = sub.sort(dim=0).values[lo:hi].mean(0)
-        near = (sub - med).abs().topk(beta, dim=0, largest=False).indices
-        return sub.gather(0, near).mean(0), selected[near]
-
-    return coordinatewise(x, window)
+    """The same with torch ops on x's device: per column, the window of ``beta`` consecutive ranks with
+    the least total distance to the median (the first such window, as on the CPU), and the CPU path's
+    tie rule (a value held by c clients that the window keeps k times gives each k / c slots)."""
+    theta = len(selected)
+    lo, hi = median_window(theta)
+    n, d = x.shape
+    f64 = torch.float64
+    out = torch.empty(d, dtype=x.dtype, device=x.device)
+    slots = torch.zeros(n, dtype=f64, device=x.device)
+    sub = x.index_select(0, selected)
+    for cols in column_chunks(sub):
+        t = sub[:, cols].T.contiguous()  # (c, theta)
+        ordered = t.sort(dim=1).values
+        med = ordered[:, lo:hi].to(f64).mean(1, keepdim=True)
+        zero = torch.zeros(len(t), 1, dtype=f64, device=x.device)
+        distance = torch.cat([zero, torch.cumsum((ordered - med).abs().to(f64), dim=1)], dim=1)
+        start = torch.argmin(distance[:, beta:] - distance[:, : theta - beta + 1], dim=1)[:, None]
+        total = torch.cat([zero, torch.cumsum(ordered.to(f64), dim=1)], dim=1)
+        out[cols] = ((total.gather(1, start + beta) - total.gather(1, start)) / beta)[:, 0].to(x.dtype)
+        below = torch.searchsorted(ordered, t, right=False)
+        count = torch.searchsorted(ordered, t, right=True) - below
+        kept = (torch.minimum(start + beta, below + count) - torch.maximum(start, below)).clamp_min(0)
+        slots.index_add_(0, selected, (kept.to(f64) / count.clamp_min(1).to(f64)).sum(0))
+    return out, (slots / slots.sum()).to(x.dtype)

@@ -244,27 +244,6 @@ def pairwise_sq_distances(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return dist, norms
 
 
-def coordinatewise(
-    x: torch.Tensor, select: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply a per-coordinate selection rule chunk by chunk.
-
-    ``select(chunk)`` gets an (n, c) chunk and returns ``(values, picked)``: the (c,) aggregate of
-    each coordinate and a (k, c) tensor of client indices, meaning coordinate j's value is the mean of
-    the k picked clients' entries (k fixed for the rule). Returns the (d,) aggregate and the (n,)
-    effective weights: the share of all (coordinate, pick) slots each client filled.
-    """
-    n, d = x.shape
-    out = torch.empty(d, dtype=x.dtype, device=x.device)
-    counts = torch.zeros(n, dtype=torch.long, device=x.device)
-    for cols in column_chunks(x):
-        values, picked = select(x[:, cols])
-        out[cols] = values
-        counts += torch.bincount(picked.reshape(-1), minlength=n)
-    weights = counts.to(torch.float64) / counts.sum()
-    return out, weights.to(x.dtype)
-
-
 # ---------------------------------------------------------------- order statistics (median, trimmed mean)
 
 #: Bytes of the input one selection block covers: small enough that it (and on the numpy path its
