@@ -36,8 +36,6 @@ __all__ = ["RULES", "UnknownRuleError", "available", "register", "rule", "rule_o
 def fedag(base: str = "mean", base_options: dict | None = None) -> FedAG:
     """FedAvg-Gaussian over the registered rule ``base`` built with ``base_options``
     (:class:`~fedtrust.probabilistic.fedag.FedAG`)."""
-    if base == "fedag":
-        raise ValueError("fedag: base cannot be fedag itself")
     if base_options is not None and not isinstance(base_options, dict):
         raise TypeError(
             f"fedag: base_options must be a dict of the base rule's options, got {base_options!r}"

@@ -40,12 +40,15 @@ class StepResult:
     weights: list[float]
     quarantined: dict[str, str] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
-    #: The rule aggregated, but applying the aggregate would have made the global model non-finite.
-    diverged: bool = False
 
     @property
     def applied(self) -> bool:
         return self.error is None
+
+    @property
+    def diverged(self) -> bool:
+        """The rule aggregated, but applying the aggregate would have made the global model non-finite."""
+        return self.aggregate is not None and self.error is not None
 
     @property
     def warning(self) -> str | None:
@@ -71,7 +74,7 @@ def server_step(
     vector = apply(out.vector).detach()
     if not bool(torch.isfinite(vector).all()):
         error = "the aggregate would make the global model non-finite; the model stays"
-        return StepResult(previous, out, error, weights, quarantined, info, diverged=True)
+        return StepResult(previous, out, error, weights, quarantined, info)
     return StepResult(vector, out, None, weights, quarantined, info)
 
 

@@ -12,6 +12,7 @@ from fedtrust.aggregators.kernels import (
     map_column_blocks,
     pairwise_sq_distances,
     sorted_columns,
+    window_shares,
     window_slots,
 )
 from fedtrust.aggregators.krum import copies_alike, krum_order
@@ -103,8 +104,8 @@ def closest_to_median(block: np.ndarray, selected: np.ndarray, beta: int) -> tup
 
 def closest_to_median_by_sort(x: torch.Tensor, selected: torch.Tensor, beta: int):
     """The same with torch ops on x's device: per column, the window of ``beta`` consecutive ranks with
-    the least total distance to the median (the first such window, as on the CPU), and the CPU path's
-    tie rule (a value held by c clients that the window keeps k times gives each k / c slots)."""
+    the least total distance to the median (the first such window, as on the CPU), ties shared as on the
+    CPU (:func:`~fedtrust.aggregators.kernels.window_shares`)."""
     theta = len(selected)
     lo, hi = median_window(theta)
     n, d = x.shape
@@ -121,8 +122,5 @@ def closest_to_median_by_sort(x: torch.Tensor, selected: torch.Tensor, beta: int
         start = torch.argmin(distance[:, beta:] - distance[:, : theta - beta + 1], dim=1)[:, None]
         total = torch.cat([zero, torch.cumsum(ordered.to(f64), dim=1)], dim=1)
         out[cols] = ((total.gather(1, start + beta) - total.gather(1, start)) / beta)[:, 0].to(x.dtype)
-        below = torch.searchsorted(ordered, t, right=False)
-        count = torch.searchsorted(ordered, t, right=True) - below
-        kept = (torch.minimum(start + beta, below + count) - torch.maximum(start, below)).clamp_min(0)
-        slots.index_add_(0, selected, (kept.to(f64) / count.clamp_min(1).to(f64)).sum(0))
+        slots.index_add_(0, selected, window_shares(t, ordered, start, start + beta).sum(0))
     return out, (slots / slots.sum()).to(x.dtype)

@@ -412,11 +412,20 @@ def rank_window(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.
     return map_column_blocks(x, lambda block: _window_block(block, lo, hi), norms=True)
 
 
+def window_shares(t: torch.Tensor, ordered: torch.Tensor, lo, hi) -> torch.Tensor:
+    """The torch tie rule, the CPU path's: (c, n) float64 slots of each entry of ``t`` (a row per column,
+    ``ordered`` its sorted copy) in the window of ranks lo..hi-1 (ints, or (c, 1) per row). A value held by
+    c entries of a row that the window keeps k times (0 < k <= c) gives each of them k / c slots, so
+    entries tied across a window edge share its slots evenly, whatever their order."""
+    below = torch.searchsorted(ordered, t, right=False)  # each entry's first rank among its equals
+    count = torch.searchsorted(ordered, t, right=True) - below
+    kept = torch.minimum(below + count, torch.as_tensor(hi)) - torch.maximum(below, torch.as_tensor(lo))
+    return kept.clamp_min(0).to(torch.float64) / count.clamp_min(1).to(torch.float64)
+
+
 def rank_window_by_sort(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch path of :func:`rank_window` (any device), with the CPU path's tie rule: a value held by c
-    clients of a column that the window keeps k times (0 < k <= c) gives each of them k / c slots, so
-    clients tied across a window edge share its slots evenly, whatever their order. Per column: sort,
-    then each entry's first rank and count among equal values by ``searchsorted``."""
+    """The torch path of :func:`rank_window` (any device): a sort per chunk, ties shared as on the CPU
+    (:func:`window_shares`)."""
     n, d = x.shape
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     slots = torch.zeros(n, dtype=torch.float64, device=x.device)
@@ -424,8 +433,5 @@ def rank_window_by_sort(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor
         t = x[:, cols].T.contiguous()  # (c, n): a row per column
         ordered = t.sort(dim=1).values
         out[cols] = ordered[:, lo:hi].mean(1)
-        below = torch.searchsorted(ordered, t, right=False)  # each entry's first rank among its equals
-        count = torch.searchsorted(ordered, t, right=True) - below
-        kept = (torch.clamp(below + count, max=hi) - torch.clamp(below, min=lo)).clamp_min(0)
-        slots += (kept.to(torch.float64) / count.clamp_min(1).to(torch.float64)).sum(0)
+        slots += window_shares(t, ordered, lo, hi).sum(0)
     return out, (slots / slots.sum()).to(x.dtype)

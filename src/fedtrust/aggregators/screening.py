@@ -112,14 +112,14 @@ def call_rule(rule: Any, round: Round) -> Aggregate:
     :class:`NoValidUpdates` when every client is malformed."""
     if not isinstance(round, Round):
         raise TypeError(f"{rule.name}: expected a fedtrust Round, got {type(round).__name__}")
-    fused = has_first_pass(rule)
+    fused, first = has_first_pass(rule), None
     if fused and not screen(round, rule.requires, updates=False):
         first = rule.first_pass(round)
         if first.clears(round):
             return rule.aggregate(round, first)
     bad = screen(round, rule.requires)
-    if not bad:
-        return _aggregate(rule, round, fused)
+    if not bad:  # (a mean whose finite updates sum past the dtype: its first pass stands)
+        return rule.aggregate(round, first) if first is not None else _aggregate(rule, round, fused)
     keep = [i for i in range(round.n) if i not in bad]
     quarantined = {round.client_ids[i]: reason for i, reason in sorted(bad.items())}
     if not keep:

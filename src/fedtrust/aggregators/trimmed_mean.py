@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fedtrust.aggregators.base import BaseRule
-from fedtrust.aggregators.core import Aggregate, Round, byzantine_budget, check_f
+from fedtrust.aggregators.core import Aggregate, Round, RoundRefused, byzantine_budget, check_f
 from fedtrust.aggregators.kernels import rank_window
 from fedtrust.aggregators.screening import FirstPass
 
@@ -32,7 +32,7 @@ class TrimmedMean(BaseRule):
     def first_pass(self, round: Round) -> FirstPass:  # the whole rule: one selection pass takes the norms
         try:
             b = self._trimmed(round)
-        except ValueError:  # too few clients for f; quarantined ones would count against f: screen first
+        except RoundRefused:  # too few clients for f; quarantined ones would count against f: screen first
             return FirstPass(None, round.norms)
         vector, weights, norms = rank_window(round.updates, b, round.n - b)
         return FirstPass((vector, weights, b), norms)

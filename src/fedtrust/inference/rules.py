@@ -159,9 +159,10 @@ class _WindowRule(BaseRule):
         if (out := self._degenerate(round, groups)) is not None:
             return out
         fit_round = _representatives(round, groups)
-        # the Gram matrix's norms serve the estimator's own passes when it sees the round itself
-        norms = first.norms if first.value is not None and groups.trivial else None
-        return self._estimate(round, groups, fit_round, _task(fit_round, norms))
+        # the first pass's norms serve the estimator's own passes when it sees the round itself
+        return self._estimate(
+            round, groups, fit_round, _task(fit_round, first.norms if groups.trivial else None)
+        )
 
     def _estimate(self, round: Round, groups: Groups, fit_round: Round, task: Tasks) -> Aggregate:
         """Fit the estimator to ``task`` (``fit_round``: one update per group), update the state, and
@@ -171,8 +172,8 @@ class _WindowRule(BaseRule):
     def _fit(self, task: Tasks, estimator, **options):
         """Run ``estimator`` on the round as one task. A fit that breaks down (a singular system, a
         non-finite consensus or noise: updates near the dtype's limits, whose squares the Gram
-        statistics cannot hold) raises a ``ValueError`` naming the rule, before any state is changed: the
-        round is not aggregated, never aggregated to NaN."""
+        statistics cannot hold) raises :class:`RoundRefused` naming the rule, before any state is changed:
+        the round is not aggregated, never aggregated to NaN."""
         try:
             res = estimator(task, **options)
         except (torch.linalg.LinAlgError, ArithmeticError, ValueError) as exc:
