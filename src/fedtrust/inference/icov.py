@@ -13,6 +13,7 @@ import math
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fedtrust._checks import resolve_tol
@@ -33,33 +34,103 @@ def latent_init(keys, dim: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return scale * torch.stack(rows)
 
 
-def centre_loadings(v: torch.Tensor, rows: torch.Tensor | None = None, iters: int = 50) -> torch.Tensor:
-    """The latent loadings shifted so that the geometric median of their rows is 0: the identifiability
-    constraint that makes the consensus the honest majority's.
+def centre_loadings(
+    v: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    own: torch.Tensor | None = None,
+    su2: float = 1.0,
+    iters: int = 500,
+) -> torch.Tensor:
+    """The latent loadings shifted so that the sources that share nothing are the majority: the
+    identifiability constraint that decides whom eq 3 trusts.
 
     With the consensus y_i free, the model x_i = y_i 1 + V u_i + e_i cannot tell V from V - 1 a' (the
     shared part 1 a' u_i is absorbed into y_i): the likelihood of the contrasts (what is left once y is
     estimated) is the same for "the truth, and a group that shares an error" and "the truth shifted
     towards the group, and everyone else sharing the opposite error", yet eq 3's weights differ, and the
-    joint likelihood's extra term log(1' Phi^-1 1) prefers the second. Of all equivalent loadings we take
-    the one where the most sources load on nothing: a source's loading row is what it shares with
-    others, and an honest majority shares nothing. The geometric median (Weiszfeld's iteration) is the
-    rotation-equivariant centre with breakdown point 1/2. ``rows`` (bool): the sources the centre is
-    taken over (those seen in the window); all rows are shifted."""
-    pts = v if rows is None else v[rows]
-    scale = float(pts.abs().max()) if len(pts) else 0.0
+    joint likelihood's extra term log(1' Phi^-1 1) prefers the second. A source's loading row is what it
+    shares with others, so the shift is a centre of the rows, and the sources at it are the ones cast as
+    sharing nothing.
+
+    Without ``own``: the geometric median of the rows (Weiszfeld's iteration; rotation-equivariant,
+    breakdown point 1/2), one vote a source: an honest majority shares nothing.
+
+    With ``own`` (each source's variance outside the factors, sigma_j^2 + sigma_u^2 tr Psi_j; ``su2``:
+    sigma_u^2), the majority is counted by precision, in two steps:
+
+    1. one vote a source: the mean of the majority of rows nearest to their geometric median
+       (:func:`_nearest_majority`; the geometric median of two groups of nearly equal size sits between
+       them);
+    2. a weighted geometric median (breakdown point 1/2 of the weight), each source weighted by its
+       precision about the consensus step 1 implies, 1 / Phi_jj = 1 / (sigma_u^2 ||v_j - a_1||^2 +
+       own_j) (eq 7's weight).
+
+    Step 2 keeps the honest majority's centre where the group it casts as colluding is, with its shared
+    error, less precise than the sources it trusts (a colluding group: tight among themselves, far from
+    the truth), and leaves it where that group is the more precise: noisy independent sources that
+    outnumber a precise genuine minority share their offset from the truth (the paper's one-round task:
+    N(0, 1) vectors centred on 0, not on the model), and one vote each would cast the genuine parties as
+    the colluders. The weights are not re-evaluated at the second centre: there a tight group is precise
+    by construction, whoever's centre it is. Step 2 needs loadings in which the honest sources cluster:
+    ICOV-VB's, whose per-dimension prior prunes the latent dimensions the data do not need; ICOV-MLE's
+    spare dimension scatters the honest sources' loadings, step 1 then lands among a tight colluding
+    group, and ICOV-MLE centres with one vote.
+
+    ``rows`` (bool): the sources the centre is taken over (those seen in the window); all rows are
+    shifted."""
+    keep = (torch.ones(len(v), dtype=torch.bool) if rows is None else rows.cpu()).numpy()
+    pts = v.detach().cpu().numpy()[keep]  # a J x D problem: solved on the host
+    scale = float(np.abs(pts).max()) if len(pts) else 0.0
     if len(pts) < 3 or not scale > 0 or not math.isfinite(scale):
         return v
     pts = pts / scale  # unit scale: pruned factors reach 1e-300, where 1 / distance overflows
-    centre = pts.median(0).values
+    majority = _geometric_median(pts, np.ones(len(pts)), np.median(pts, 0), iters)
+    if own is None:
+        return v - torch.as_tensor(majority * scale, dtype=v.dtype, device=v.device)
+    majority = _nearest_majority(pts, majority)
+    own = own.detach().cpu().numpy()[keep] / (su2 * scale * scale)
+    precision = 1.0 / (((pts - majority) ** 2).sum(1) + own)
+    centre = _geometric_median(pts, precision / precision.max(), majority, iters)
+    return v - torch.as_tensor(centre * scale, dtype=v.dtype, device=v.device)
+
+
+def _nearest_majority(pts: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """The mean of the majority (h = J // 2 + 1) of the rows nearest to a centre, the centre moved to it
+    until the majority no longer changes (Rousseeuw and Van Driessen's C-steps, Technometrics 1999: each
+    lowers the majority's sum of squared distances, so this ends): the geometric median of two groups of
+    nearly equal size sits between them, this sits with the larger."""
+    h = len(pts) // 2 + 1
+    centre, chosen = start, None
+    for _ in range(len(pts) + 1):
+        near = np.sort(np.argsort(((pts - centre) ** 2).sum(1), kind="stable")[:h])
+        if chosen is not None and np.array_equal(near, chosen):
+            break
+        chosen, centre = near, pts[near].mean(0)
+    return centre
+
+
+def _geometric_median(pts: np.ndarray, weights: np.ndarray, start: np.ndarray, iters: int) -> np.ndarray:
+    """argmin_c sum_j weights_j ||pts_j - c|| from ``start``: Weiszfeld's iteration with Vardi and Zhang's
+    step at a data point (Proc. Natl Acad. Sci. 2000, eq 2.5); plain Weiszfeld that reaches one of the
+    points stays there whether or not it is the median."""
+    centre = start
     for _ in range(iters):
-        w = 1.0 / (pts - centre).norm(dim=1).clamp_min(1e-12)
-        new = (w[:, None] * pts).sum(0) / w.sum()
-        done = float((new - centre).norm()) <= 1e-10
-        centre = new
+        dist = np.sqrt(((pts - centre) ** 2).sum(1))
+        at = dist <= 1e-12
+        w = np.where(at, 0.0, weights / np.maximum(dist, 1e-12))
+        if not (w > 0).any():
+            break
+        moved = (w[:, None] * pts).sum(0) / w.sum()
+        eta = float(weights[at].sum())
+        if eta > 0:  # at a data point: move only as far as the others' pull exceeds its weight
+            others = float(np.linalg.norm((w[:, None] * (pts - centre)).sum(0)))
+            share = min(1.0, eta / others) if others > 0 else 1.0
+            moved = (1.0 - share) * moved + share * centre
+        done = float(np.linalg.norm(moved - centre)) <= 1e-10
+        centre = moved
         if done:
             break
-    return v - centre * scale
+    return centre
 
 
 # ---------------------------------------------------------------- ICOV-MLE
@@ -378,8 +449,10 @@ def icov_vb(
     Sigma = sigma_u^2 E[V V'] + diag(sigma_j^2), weights summing to 1 (a correlated source can get a
     negative one). The posterior mean ybar (eq 15) is in ``params["posterior_mean"]``: with one task and
     many coordinates the factors can absorb the common signal and shrink ybar towards 0, which the
-    weighting is immune to (a common-mode term in Sigma leaves its weights unchanged). Iterations stop
-    when these coefficients are within ``tol`` of their fixed point (absolute,
+    weighting is immune to (a common-mode term in Sigma leaves its weights unchanged). Which sources
+    share an error is decided by :func:`centre_loadings`, with the sources counted by precision: the
+    genuine parties of the paper's one-round task stay trusted when noisy adversaries outnumber them.
+    Iterations stop when these coefficients are within ``tol`` of their fixed point (absolute,
     :func:`~fedtrust.inference.result.converged`; default :func:`~fedtrust._checks.stopping_tol` of the
     estimates' dtype), or after ``max_iter``.
 
@@ -499,9 +572,9 @@ def icov_vb(
         energy = _icov_vb_free_energy(stats, sm, err, s2, sy2, su2, sv2, v, psi, active, lam, phi_u, k, d)
         # Algorithm 2, line 3: inverse-covariance weighting (eq 3) under the fitted model's covariance
         # Sigma = sigma_u^2 E[V V'] + diag(sigma_j^2), with E[v_j v_j'] = vbar_j vbar_j' + Psi_j.
-        # The loadings are centred first (centre_loadings): the free energy barely sees their centre
-        # (it moves into y_i, under a prior of variance sigma_y^2), eq 3 does.
-        vc = centre_loadings(v, active)
+        # The loadings are centred first, counting the sources by precision (centre_loadings): the free
+        # energy barely sees their centre (it moves into y_i, under a prior of variance sigma_y^2), eq 3 does.
+        vc = centre_loadings(v, active, s2 + su2 * psi.diagonal(dim1=1, dim2=2).sum(1), su2)
         sigma = su2 * (vc @ vc.T + torch.diag(psi.diagonal(dim1=1, dim2=2).sum(1))) + torch.diag(s2)
         a = consensus_coefficients(sigma, t.mask)
         fields = (coef_u, v, psi, s2, sy2, su2, sv2)
