@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from fedtrust._checks import check_float, check_int
-from fedtrust.aggregators.kernels import row_norms
+from fedtrust.aggregators.passes import row_norms
 
 __all__ = [
     "Aggregate",
@@ -176,7 +176,7 @@ class Round:
 
     @cached_property
     def norms(self) -> torch.Tensor:
-        """(n,) float64 norms of the updates (:func:`~fedtrust.aggregators.kernels.row_norms`), taken
+        """(n,) float64 norms of the updates (:func:`~fedtrust.aggregators.passes.row_norms`), taken
         on first use and kept."""
         return row_norms(self.updates)
 
