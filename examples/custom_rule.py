@@ -37,8 +37,8 @@ class NormCapped(BaseRule):
 
 
 def main(rounds: int = 10) -> dict:
-    from fedtrust.experiments.config import validate
-    from fedtrust.experiments.runner import build_simulation
+    from fedtrust.sweeps.config import validate
+    from fedtrust.sweeps.runner import build_simulation
 
     fedtrust.register("norm_capped", NormCapped)
 

@@ -9,10 +9,10 @@ import torch
 from runs import strip_times
 
 from fedtrust.data import load_digits
-from fedtrust.experiments.runner import build_simulation
 from fedtrust.models import build_model
 from fedtrust.sim.store import RunStore
 from fedtrust.sim.training import local_sgd
+from fedtrust.sweeps.runner import build_simulation
 
 BASE = {
     "name": "t",

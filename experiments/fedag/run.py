@@ -31,7 +31,7 @@ from fedtrust.data import Dataset, cubic_toy  # noqa: E402
 from fedtrust.data.corruptions import data_corruption  # noqa: E402
 from fedtrust.data.partition import partitioner  # noqa: E402
 from fedtrust.models import build_model  # noqa: E402
-from fedtrust.probabilistic import bootstrap_predictive, scoring  # noqa: E402
+from fedtrust.probabilistic import bootstrap_predictive, scoring_rules  # noqa: E402
 from fedtrust.probabilistic.baselines import BayesByBackprop, BayesianLinearRegression, DeepEnsemble  # noqa: E402
 from fedtrust.sim.federation import build_federation  # noqa: E402
 from fedtrust.sim.loop import Simulation  # noqa: E402
@@ -70,7 +70,9 @@ def fedag(dataset: Dataset, hidden: int | None, rounds: int, seed: int, base: st
 
 def scores(dataset: Dataset, mu, sigma) -> dict[str, float]:
     s, c = dataset.y_scale, dataset.y_shift
-    return scoring.summary(dataset.y_test * s + c, torch.as_tensor(mu) * s + c, torch.as_tensor(sigma) * s)
+    return scoring_rules.summary(
+        dataset.y_test * s + c, torch.as_tensor(mu) * s + c, torch.as_tensor(sigma) * s
+    )
 
 
 def boston_folds(folds: int = 20, seed: int = 0):

@@ -13,7 +13,7 @@ import torch
 from fedtrust.aggregators import Round
 from fedtrust.attacks import AttackContext
 from fedtrust.models import FlatModel
-from fedtrust.probabilistic import scoring
+from fedtrust.probabilistic import scoring_rules
 from fedtrust.probabilistic.posterior import (
     GaussianPosterior,
     bootstrap_predictive,
@@ -23,8 +23,8 @@ from fedtrust.probabilistic.posterior import (
 )
 from fedtrust.server import server_step
 from fedtrust.sim.batched import Stacked, batched_local_sgd, batched_minibatch_gradients, mean_losses
+from fedtrust.sim.detection import detection_auroc
 from fedtrust.sim.federation import Federation
-from fedtrust.sim.scoring import detection_auroc
 from fedtrust.sim.seeding import stream
 from fedtrust.sim.settings import TrainSettings
 from fedtrust.sim.store import RecoveryWarning, RunStore, now
@@ -170,7 +170,7 @@ class Simulation:
         if data.num_classes is None and self.posterior is not None:
             mu, sigma = self.predictive(data.x_test, t)
             s, c = data.y_scale, data.y_shift
-            return scoring.summary(data.y_test * s + c, mu * s + c, sigma.clamp_min(1e-12) * s)
+            return scoring_rules.summary(data.y_test * s + c, mu * s + c, sigma.clamp_min(1e-12) * s)
         metrics = self.model.evaluate(self.vector, data.x_test, data.y_test)
         if data.num_classes is None and data.y_scale != 1.0:
             metrics = {"rmse": metrics["rmse"] * data.y_scale, "mse": metrics["mse"] * data.y_scale**2}
