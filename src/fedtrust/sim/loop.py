@@ -194,11 +194,12 @@ class Simulation:
             evaluated = self.evaluation(t, self.vector)
         corrupted = self.fed.corrupted[chosen].tolist()
         losses = round_.metrics.get("train_loss")
+        sizes = self.fed.sizes()
         return {
             "round": t,
             "metrics": evaluated,
             "clients": list(round_.client_ids),
-            "num_samples": [self.fed.sizes()[k] for k in chosen],
+            "num_samples": [sizes[k] for k in chosen],
             "corrupted": corrupted,
             "weights": result.weights,
             "train_loss": None if losses is None else losses.tolist(),
