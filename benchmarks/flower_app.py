@@ -21,10 +21,10 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from fedtrust.experiments.config import validate
-from fedtrust.experiments.runner import build_simulation
 from fedtrust.sim.seeding import stream
 from fedtrust.sim.training import batches
+from fedtrust.sweeps.config import validate
+from fedtrust.sweeps.runner import build_simulation
 
 SPEC = "FEDTRUST_BENCH_SPEC"
 

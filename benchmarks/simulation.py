@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from fedtrust.experiments.config import validate
-from fedtrust.experiments.runner import build_simulation
+from fedtrust.sweeps.config import validate
+from fedtrust.sweeps.runner import build_simulation
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

@@ -18,10 +18,10 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Force many tiny column chunks so every chunked code path crosses chunk boundaries."""
-    from fedtrust.aggregators import kernels
+    from fedtrust.aggregators import chunks
 
-    monkeypatch.setattr(kernels, "CHUNK_BYTES", 64)
-    monkeypatch.setattr(kernels, "SELECT_CHUNK_BYTES", 64)
+    for budget in chunks.BUDGETS:
+        monkeypatch.setitem(chunks.BUDGETS, budget, 64)
 
 
 def dtype_tol(dtype: torch.dtype, factor: float = 1.0, scale: float = 1.0) -> dict[str, float]:

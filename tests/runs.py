@@ -2,7 +2,7 @@
 
 import copy
 
-from fedtrust.experiments.config import validate
+from fedtrust.sweeps.config import validate
 
 
 def config(base: dict, **overrides):

@@ -9,8 +9,8 @@ from scipy.optimize import minimize
 
 from fedtrust import Round, rule
 from fedtrust.aggregators.arfl import arfl_objective, arfl_weights
-from fedtrust.experiments.config import validate
-from fedtrust.experiments.runner import build_simulation
+from fedtrust.sweeps.config import validate
+from fedtrust.sweeps.runner import build_simulation
 
 seeds = st.integers(0, 2**31 - 1)
 

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from fedtrust.data import load_digits, synthetic_linear
-from fedtrust.experiments.config import validate
-from fedtrust.experiments.runner import build_simulation
 from fedtrust.models import build_model
 from fedtrust.sim import batched as executor
 from fedtrust.sim.batched import Stacked, batched_local_sgd, batched_minibatch_gradients, mean_losses
 from fedtrust.sim.training import local_sgd, mean_loss, minibatch_gradient
+from fedtrust.sweeps.config import validate
+from fedtrust.sweeps.runner import build_simulation
 
 DIGITS = load_digits()
 

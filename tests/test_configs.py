@@ -4,7 +4,7 @@ Cartesian product; a sweep's runs are validated one by one."""
 import pytest
 import yaml
 
-from fedtrust.experiments.config import ConfigError, expand, load, validate
+from fedtrust.sweeps.config import ConfigError, expand, load, validate
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,9 @@ import runs
 import torch
 
 from fedtrust import Round, rule
-from fedtrust.experiments.runner import run_experiment
 from fedtrust.inference import ConvergenceWarning
 from fedtrust.report import load_runs, write_report
+from fedtrust.sweeps.runner import run_experiment
 
 ESTIMATORS = ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"]
 

@@ -1,5 +1,6 @@
 """Extending from outside: a rule defined in user code (examples/custom_rule.py) is registered and then
-runs by name like a built-in rule, in a round and in a simulation."""
+runs by name like a built-in rule, in a round, in fedtrust's simulator and behind the Flower strategy in
+Flower's own simulation engine."""
 
 import runpy
 from pathlib import Path
@@ -21,14 +22,19 @@ def example():
     RULES.update(before)
 
 
-def test_the_example_rule_runs_by_name_in_a_round_and_in_a_simulation(example):
-    out = example["main"](rounds=3)
+def test_the_example_rule_runs_by_name_in_a_round_in_a_simulation_and_on_flower(example):
+    out = example["main"](rounds=3, flower_rounds=3)
     assert out["one_round"].weights[5] == 0 and torch.allclose(
         out["one_round"].weights[:5], torch.full((5,), 0.2)
     )
     last = out["records"][-1]
     assert last["error"] is None and last["metrics"]["accuracy"] > 0.5
     assert sum(w for w, bad in zip(last["weights"], last["corrupted"], strict=True) if bad) < 0.01
+    # on Flower: the broken node (features x100, huge updates) gets no trust in any round, the model learns
+    flower = out["flower"]
+    assert flower["accuracy_after"] > flower["accuracy_before"] + 0.5
+    zero = [{node for node, w in r["trust"].items() if w == 0} for r in flower["history"]]
+    assert len(zero) == 3 and all(z == zero[0] and len(z) == 1 for z in zero)
     # the front door screens the user's rule too: a NaN update is quarantined with a reason
     x = torch.randn(5, 10)
     x[2, 3] = float("nan")

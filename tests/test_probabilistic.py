@@ -8,17 +8,17 @@ import torch
 
 from fedtrust import Round, rule
 from fedtrust.data import cubic_toy, synthetic_linear
-from fedtrust.experiments.config import validate
-from fedtrust.experiments.runner import build_simulation
 from fedtrust.models import build_model
 from fedtrust.probabilistic import (
     bootstrap_predictive,
     fit_posterior,
     linear_predictive,
     omc_predictive,
-    scoring,
+    scoring_rules,
 )
 from fedtrust.probabilistic.baselines import BayesByBackprop, BayesianLinearRegression, DeepEnsemble
+from fedtrust.sweeps.config import validate
+from fedtrust.sweeps.runner import build_simulation
 
 G = torch.Generator
 
@@ -69,16 +69,16 @@ def test_linear_closed_form_matches_monte_carlo():
 
 
 def test_scoring_rules_known_values():
-    assert scoring.crps(0.0, 0.0, 1.0) == pytest.approx((math.sqrt(2) - 1) / math.sqrt(math.pi))
-    assert scoring.nll(0.0, 0.0, 1.0) == pytest.approx(0.5 * math.log(2 * math.pi))
-    assert scoring.nll(3.0, 1.0, 2.0) == pytest.approx(0.5 * math.log(2 * math.pi * 4) + 0.5)
-    assert scoring.sharpness([1.0, 3.0]) == 2.0  # DS = det(Sigma)^(1/2d) = sigma for d = 1
+    assert scoring_rules.crps(0.0, 0.0, 1.0) == pytest.approx((math.sqrt(2) - 1) / math.sqrt(math.pi))
+    assert scoring_rules.nll(0.0, 0.0, 1.0) == pytest.approx(0.5 * math.log(2 * math.pi))
+    assert scoring_rules.nll(3.0, 1.0, 2.0) == pytest.approx(0.5 * math.log(2 * math.pi * 4) + 0.5)
+    assert scoring_rules.sharpness([1.0, 3.0]) == 2.0  # DS = det(Sigma)^(1/2d) = sigma for d = 1
     rng = np.random.default_rng(0)
     y = rng.normal(2.0, 3.0, 20000)
-    assert scoring.coverage(y, 2.0 * np.ones_like(y), 3.0 * np.ones_like(y), 0.9) == pytest.approx(
+    assert scoring_rules.coverage(y, 2.0 * np.ones_like(y), 3.0 * np.ones_like(y), 0.9) == pytest.approx(
         0.9, abs=0.01
     )
-    assert np.histogram(scoring.pit(y, 2.0, 3.0), bins=5, range=(0, 1))[0] / len(y) == pytest.approx(
+    assert np.histogram(scoring_rules.pit(y, 2.0, 3.0), bins=5, range=(0, 1))[0] / len(y) == pytest.approx(
         np.full(5, 0.2), abs=0.01
     )
 
@@ -109,8 +109,8 @@ def test_neural_baselines_beat_a_constant_predictor(model):
     data = cubic_toy()
     model.fit(data.x_train, data.y_train)
     mu, sigma = model.predict(data.x_train)
-    constant = scoring.nll(data.y_train, data.y_train.mean(), data.y_train.std())
-    assert scoring.nll(data.y_train, mu, sigma) < constant - 0.5
+    constant = scoring_rules.nll(data.y_train, data.y_train.mean(), data.y_train.std())
+    assert scoring_rules.nll(data.y_train, mu, sigma) < constant - 0.5
 
 
 def test_fedag_rule_reports_the_trust_weighted_posterior():

@@ -20,8 +20,8 @@ from runs import strip_times
 import fedtrust
 from fedtrust import Aggregate
 from fedtrust.checkpoint import CorruptFileError, atomic_write, load_state, save_state
-from fedtrust.experiments.runner import ConfigChanged, build_simulation, run_experiment
 from fedtrust.sim.store import RecoveryWarning, RunLocked, RunStore
+from fedtrust.sweeps.runner import ConfigChanged, build_simulation, run_experiment
 
 SRC = Path(fedtrust.__file__).parent
 

@@ -9,10 +9,10 @@ import torch
 from runs import strip_times
 
 from fedtrust.data import load_digits
-from fedtrust.experiments.runner import build_simulation
 from fedtrust.models import build_model
 from fedtrust.sim.store import RunStore
 from fedtrust.sim.training import local_sgd
+from fedtrust.sweeps.runner import build_simulation
 
 BASE = {
     "name": "t",
@@ -197,3 +197,37 @@ def test_regression_runs_report_rmse():
                  model={"name": "linear"}, train__lr=0.05)  # fmt: skip
     records = build_simulation(cfg).run()
     assert "rmse" in records[-1]["metrics"] and records[-1]["metrics"]["rmse"] < records[0]["metrics"]["rmse"]
+
+
+def test_evaluation_is_a_pluggable_step():
+    """A user's evaluation sees every applied round (the new global model, the client models the round's
+    updates lead to, which clients) and its metrics are what the run records."""
+    from fedtrust.sim.evaluation import TestSetMetrics
+    from fedtrust.sim.loop import Simulation
+
+    class Distance:
+        def __init__(self):
+            self.seen = []
+
+        def observe(self, t, vector, aggregate, members, chosen):
+            self.seen.append((t, members.shape[0], list(chosen)))
+            self.mean_member = members.mean(0)
+
+        def __call__(self, t, vector):
+            return {"distance_to_members": float((vector - self.mean_member).norm())}
+
+        def predictions(self, t, vector):
+            return None
+
+    built = build_simulation(config(train__rounds=3, train__fraction=0.5, train__eval_every=2))
+    mine = Distance()
+    sim = Simulation(built.fed, built.model, built.rule, built.settings, evaluation=mine)
+    records = sim.run()
+    assert [t for t, _, _ in mine.seen] == [1, 2, 3]
+    assert [(n, chosen) for _, n, chosen in mine.seen] == [(5, sim.sample(t)) for t in (1, 2, 3)]
+    # FedAvg's aggregate is the sample-weighted mean of the members, not their plain mean: a distance > 0
+    assert [r["metrics"] is not None for r in records] == [False, True, True]  # eval_every 2, and the last
+    assert all(r["metrics"]["distance_to_members"] > 0 for r in records[1:])
+    # the default evaluation of a classification run: the test-set metrics
+    default = build_simulation(config(train__rounds=1)).evaluation
+    assert type(default) is TestSetMetrics

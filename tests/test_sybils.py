@@ -14,10 +14,10 @@ from fedtrust import Round, rule
 from fedtrust.aggregators import Aggregate, leaving_out
 from fedtrust.aggregators.sybils import find_groups
 from fedtrust.attacks import AttackContext, attack
-from fedtrust.experiments.config import validate
-from fedtrust.experiments.runner import build_simulation, run_experiment
 from fedtrust.report import write_report
 from fedtrust.rules import available
+from fedtrust.sweeps.config import validate
+from fedtrust.sweeps.runner import build_simulation, run_experiment
 
 SHARING = ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb", "focus"]
 #: ICOV at fewer iterations (ICOV-MLE 10 of 5 quasi-Newton steps, ICOV-VB 50): their defaults take

@@ -31,7 +31,7 @@ from fedtrust.data import Dataset, cubic_toy  # noqa: E402
 from fedtrust.data.corruptions import data_corruption  # noqa: E402
 from fedtrust.data.partition import partitioner  # noqa: E402
 from fedtrust.models import build_model  # noqa: E402
-from fedtrust.probabilistic import bootstrap_predictive, scoring  # noqa: E402
+from fedtrust.probabilistic import bootstrap_predictive, scoring_rules  # noqa: E402
 from fedtrust.probabilistic.baselines import BayesByBackprop, BayesianLinearRegression, DeepEnsemble  # noqa: E402
 from fedtrust.sim.federation import build_federation  # noqa: E402
 from fedtrust.sim.loop import Simulation  # noqa: E402
@@ -68,9 +68,17 @@ def fedag(dataset: Dataset, hidden: int | None, rounds: int, seed: int, base: st
     return sim
 
 
+def predictive(sim: Simulation, x):
+    """(mu, sigma) of the run's final predictive distribution at ``x`` (its Monte Carlo draws, if any,
+    from the stream of round 0)."""
+    return sim.evaluation.predictive(0, sim.vector, x)
+
+
 def scores(dataset: Dataset, mu, sigma) -> dict[str, float]:
     s, c = dataset.y_scale, dataset.y_shift
-    return scoring.summary(dataset.y_test * s + c, torch.as_tensor(mu) * s + c, torch.as_tensor(sigma) * s)
+    return scoring_rules.summary(
+        dataset.y_test * s + c, torch.as_tensor(mu) * s + c, torch.as_tensor(sigma) * s
+    )
 
 
 def boston_folds(folds: int = 20, seed: int = 0):
@@ -132,7 +140,7 @@ def toy() -> None:
     rows = {}
     for t in range(1, 6):
         sim.step(t)
-        mu, sigma = sim.predictive(data.x_test, t)
+        mu, sigma = sim.evaluation.predictive(t, sim.vector, data.x_test)
         rows[t] = scores(data, mu, sigma)
         if t in (1, 3, 5):
             ax = next(panel)
@@ -166,12 +174,12 @@ def boston(folds: int = 20) -> None:
     began = time.time()
     for k, data in enumerate(boston_folds(folds)):
         sim0 = fedag(data, None, 1, k, predictive="linear")
-        results["FedAG N=0 (t=1)"].append(scores(data, *sim0.predictive(data.x_test)))
+        results["FedAG N=0 (t=1)"].append(scores(data, *predictive(sim0, data.x_test)))
         # the paper's predictive (Sec. 5): Monte Carlo draws from the per-weight posterior, with the data
         # noise; beside it the bootstrap over the client models (eqs 3-5) without it
         sim1 = fedag(data, 50, 5, k, predictive="omc", noise=True)
-        results["FedAG N=1 (t=5)"].append(scores(data, *sim1.predictive(data.x_test)))
-        boot = bootstrap_predictive(sim1.model, sim1.posterior, data.x_test)
+        results["FedAG N=1 (t=5)"].append(scores(data, *predictive(sim1, data.x_test)))
+        boot = bootstrap_predictive(sim1.model, sim1.evaluation.posterior, data.x_test)
         results["FedAG N=1 (t=5), bootstrap"].append(scores(data, *boot))
         results["BLR"].append(
             scores(data, *BayesianLinearRegression().fit(data.x_train, data.y_train).predict(data.x_test))
@@ -232,11 +240,11 @@ def robust(folds: int = 20) -> None:
             for k, data in enumerate(boston_folds(folds)):
                 sim = fedag(data, 50, 5, k, base=base, base_options=options, corruption=corruption,
                             attacker=attacker, fraction=fraction)  # fmt: skip
-                runs.append(scores(data, *sim.predictive(data.x_test)))
+                runs.append(scores(data, *predictive(sim, data.x_test)))
             table.setdefault(scenario, {})[name] = runs
             sim = fedag(toy_data, 100, 5, 0, base=base, base_options=options, corruption=corruption,
                         attacker=attacker, fraction=fraction)  # fmt: skip
-            table[scenario][name + " [toy]"] = [scores(toy_data, *sim.predictive(toy_data.x_test))]
+            table[scenario][name + " [toy]"] = [scores(toy_data, *predictive(sim, toy_data.x_test))]
             print(
                 scenario,
                 name,

@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 from fedtrust.aggregators import leaving_out
-from fedtrust.experiments.config import validate
-from fedtrust.experiments.runner import build_simulation
 from fedtrust.rules import rule_options
+from fedtrust.sweeps.config import validate
+from fedtrust.sweeps.runner import build_simulation
 
 TRUST = ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb", "arfl", "focus"]
 BASELINES = ["fedavg", "centered_clipping"]

@@ -67,9 +67,9 @@ def run(
 ) -> None:
     """Run an experiment config (each run of its sweep). Finished runs of the same config are skipped,
     interrupted ones resume; runs on disk from another config are refused unless --force."""
-    from fedtrust.experiments.config import ConfigError, load
-    from fedtrust.experiments.runner import ConfigChanged, run_experiment
     from fedtrust.sim.store import RunLocked
+    from fedtrust.sweeps.config import ConfigError, load
+    from fedtrust.sweeps.runner import ConfigChanged, run_experiment
 
     if config.is_dir():
         raise _fail(f"{config} is a folder; give an experiment YAML file (e.g. {config}/<name>.yaml)")

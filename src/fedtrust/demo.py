@@ -13,11 +13,11 @@ import shutil
 import time
 from pathlib import Path
 
-from fedtrust.experiments.config import validate
-from fedtrust.experiments.runner import run_experiment
 from fedtrust.report import load_runs, write_report
 from fedtrust.report.results import Run, table
 from fedtrust.rules import RULES
+from fedtrust.sweeps.config import validate
+from fedtrust.sweeps.runner import run_experiment
 
 #: Byzantine budgets for the rules that take one: the corrupted share, as far as each rule allows.
 RULE_OPTIONS = {

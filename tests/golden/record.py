@@ -190,8 +190,8 @@ def sim_config(name: str, options: dict) -> dict:
 
 
 def sim_outputs(cases=SIM_CASES) -> dict:
-    from fedtrust.experiments.config import validate
-    from fedtrust.experiments.runner import build_simulation
+    from fedtrust.sweeps.config import validate
+    from fedtrust.sweeps.runner import build_simulation
 
     out = {}
     for name, options in cases:

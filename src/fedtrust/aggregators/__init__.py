@@ -4,7 +4,9 @@
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import (
     Aggregate,
+    Info,
     NoValidUpdates,
+    Reference,
     Round,
     RoundRefused,
     Rule,
@@ -17,7 +19,9 @@ __all__ = [
     "Aggregate",
     "BaseRule",
     "FirstPass",
+    "Info",
     "NoValidUpdates",
+    "Reference",
     "Round",
     "RoundRefused",
     "Rule",

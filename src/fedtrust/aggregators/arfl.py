@@ -11,8 +11,8 @@ import torch
 from fedtrust._checks import check_choice, check_float
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, NoValidUpdates, Round, RoundRefused
-from fedtrust.aggregators.kernels import weighted_sum
-from fedtrust.aggregators.reports import DEFENCES, defend
+from fedtrust.aggregators.loss_defences import DEFENCES, defend
+from fedtrust.aggregators.passes import weighted_sum
 from fedtrust.aggregators.state import Dict, Fields, Float, check_state
 
 

@@ -6,17 +6,12 @@ import numpy as np
 import torch
 
 from fedtrust.aggregators.base import BaseRule
+from fedtrust.aggregators.chunks import column_blocks
 from fedtrust.aggregators.core import Aggregate, Round, byzantine_budget, check_f
-from fedtrust.aggregators.kernels import (
-    column_chunks,
-    map_column_blocks,
-    pairwise_sq_distances,
-    sorted_columns,
-    window_shares,
-    window_slots,
-)
+from fedtrust.aggregators.distances import pairwise_sq_distances
 from fedtrust.aggregators.krum import copies_alike, krum_order
 from fedtrust.aggregators.median import median_window
+from fedtrust.aggregators.rank_windows import map_column_blocks, sorted_columns, window_shares, window_slots
 from fedtrust.aggregators.screening import FirstPass
 
 
@@ -105,7 +100,7 @@ def closest_to_median(block: np.ndarray, selected: np.ndarray, beta: int) -> tup
 def closest_to_median_by_sort(x: torch.Tensor, selected: torch.Tensor, beta: int):
     """The same with torch ops on x's device: per column, the window of ``beta`` consecutive ranks with
     the least total distance to the median (the first such window, as on the CPU), ties shared as on the
-    CPU (:func:`~fedtrust.aggregators.kernels.window_shares`)."""
+    CPU (:func:`~fedtrust.aggregators.rank_windows.window_shares`)."""
     theta = len(selected)
     lo, hi = median_window(theta)
     n, d = x.shape
@@ -113,7 +108,7 @@ def closest_to_median_by_sort(x: torch.Tensor, selected: torch.Tensor, beta: int
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     slots = torch.zeros(n, dtype=f64, device=x.device)
     sub = x.index_select(0, selected)
-    for cols in column_chunks(sub):
+    for cols in column_blocks(sub):
         t = sub[:, cols].T.contiguous()  # (c, theta)
         ordered = t.sort(dim=1).values
         med = ordered[:, lo:hi].to(f64).mean(1, keepdim=True)

@@ -10,7 +10,7 @@ import torch
 from fedtrust._checks import check_float, check_int
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round
-from fedtrust.aggregators.kernels import CombinationPasses, weighted_sum
+from fedtrust.aggregators.passes import CombinationPasses, weighted_sum
 from fedtrust.aggregators.screening import FirstPass
 from fedtrust.aggregators.state import Fields, Tensor, check_state
 

@@ -10,8 +10,9 @@ import torch
 from fedtrust._checks import check_float
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, NoValidUpdates, Round
-from fedtrust.aggregators.kernels import gram, weighted_sum
+from fedtrust.aggregators.distances import gram
 from fedtrust.aggregators.mean import sample_weights
+from fedtrust.aggregators.passes import weighted_sum
 from fedtrust.aggregators.state import Dict, Fields, Int, check_state
 
 

@@ -22,11 +22,14 @@ import numpy as np
 import torch
 
 from fedtrust._checks import check_float, check_int
-from fedtrust.aggregators.kernels import row_norms
+from fedtrust.aggregators.info import Info, Reference
+from fedtrust.aggregators.passes import row_norms
 
 __all__ = [
     "Aggregate",
+    "Info",
     "NoValidUpdates",
+    "Reference",
     "Round",
     "RoundRefused",
     "Rule",
@@ -73,8 +76,10 @@ class Round:
                   default ``0..n-1``.
     num_samples:  (n,) reported sample counts; default all ones. A client's non-finite or negative
                   count quarantines that client.
-    metrics:      name -> (n,) client-reported scalars ("train_loss" for ARFL, "global_loss" for FOCUS).
-    reference:    optional callable, flat vector -> loss on the server's trusted benchmark set.
+    metrics:      name -> (n,) client-reported scalars ("train_loss" for ARFL and FOCUS).
+    reference:    optional :class:`~fedtrust.aggregators.info.Reference`: the server's trusted benchmark
+                  split, ``reference(update) -> mean loss`` of the model one update gives (FOCUS's eq 4,
+                  the "benchmark" loss defence).
     previous:     optional (d,) previous global vector.
     quarantined:  client id -> reason, for clients of this round already removed as malformed (the front
                   door, :mod:`~fedtrust.aggregators.screening`, fills it in). They are known-faulty:
@@ -85,7 +90,7 @@ class Round:
     client_ids: Sequence[Hashable] | None = None
     num_samples: torch.Tensor | None = None
     metrics: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    reference: Callable[[torch.Tensor], float] | None = None
+    reference: Reference | None = None
     previous: torch.Tensor | None = None
     quarantined: Mapping[Hashable, str] = field(default_factory=dict)
 
@@ -176,7 +181,7 @@ class Round:
 
     @cached_property
     def norms(self) -> torch.Tensor:
-        """(n,) float64 norms of the updates (:func:`~fedtrust.aggregators.kernels.row_norms`), taken
+        """(n,) float64 norms of the updates (:func:`~fedtrust.aggregators.passes.row_norms`), taken
         on first use and kept."""
         return row_norms(self.updates)
 
@@ -207,14 +212,15 @@ class Aggregate:
     vector:  (d,) the aggregate.
     weights: (n,) non-negative, summing to 1: the effective trust given to each client this round
              (0 for quarantined clients).
-    info:    diagnostics (noise levels, scores, iterations, ...). Per-client diagnostics live in
-             ``info["clients"]`` as (n,) tensors aligned with the round's clients (NaN where quarantined);
-             ``info["quarantined"]`` maps client id -> reason.
+    info:    diagnostics, every key optional and typed (:class:`~fedtrust.aggregators.info.Info`):
+             per-client ones in ``info["clients"]`` as (n,) tensors aligned with the round's clients
+             (NaN where quarantined), ``info["quarantined"]`` client id -> reason, iterations,
+             convergence and its ``warning``, the sybil ``groups``, posterior variances, ...
     """
 
     vector: torch.Tensor
     weights: torch.Tensor
-    info: dict[str, Any] = field(default_factory=dict)
+    info: Info = field(default_factory=dict)
 
     def trust(self, client_ids: Sequence[Hashable]) -> dict[Hashable, float]:
         """The weights as a plain ``{client_id: weight}`` dict."""

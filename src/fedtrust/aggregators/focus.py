@@ -11,9 +11,9 @@ import torch
 from fedtrust._checks import check_choice, check_float
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round
-from fedtrust.aggregators.kernels import weighted_sum
+from fedtrust.aggregators.loss_defences import DEFENCES, defend, reference_losses
 from fedtrust.aggregators.mean import normalised
-from fedtrust.aggregators.reports import DEFENCES, defend, reference_losses
+from fedtrust.aggregators.passes import weighted_sum
 from fedtrust.aggregators.state import Dict, Fields, Float, check_state
 from fedtrust.aggregators.sybils import Groups, find_groups
 

@@ -7,8 +7,8 @@ import torch
 from fedtrust._checks import check_float, check_int, check_tol, resolve_tol
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round
-from fedtrust.aggregators.kernels import CombinationPasses
 from fedtrust.aggregators.mean import sample_weights
+from fedtrust.aggregators.passes import CombinationPasses
 from fedtrust.aggregators.screening import FirstPass
 
 

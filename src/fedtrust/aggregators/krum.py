@@ -7,7 +7,8 @@ import torch
 from fedtrust._checks import check_int
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round, byzantine_budget, check_f
-from fedtrust.aggregators.kernels import pairwise_sq_distances, weighted_sum
+from fedtrust.aggregators.distances import pairwise_sq_distances
+from fedtrust.aggregators.passes import weighted_sum
 from fedtrust.aggregators.screening import FirstPass
 from fedtrust.aggregators.sybils import near_duplicates
 

@@ -8,7 +8,7 @@ import torch
 
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round, RoundRefused
-from fedtrust.aggregators.kernels import weighted_sum
+from fedtrust.aggregators.passes import weighted_sum
 from fedtrust.aggregators.screening import FirstPass
 
 

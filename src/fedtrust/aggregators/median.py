@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round
-from fedtrust.aggregators.kernels import rank_window
+from fedtrust.aggregators.rank_windows import rank_window
 from fedtrust.aggregators.screening import FirstPass
 
 

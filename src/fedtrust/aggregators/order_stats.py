@@ -2,7 +2,7 @@
 
 :func:`window_block` gives, for a float32 (n, c) column block, each column's mean over the ranks
 lo..hi-1 and each row's share of those (column, rank) slots, exactly what the numpy path of
-:func:`fedtrust.aggregators.kernels.rank_window` computes, in one pass over the block in L1-sized tiles:
+:func:`fedtrust.aggregators.rank_windows.rank_window` computes, in one pass over the block in L1-sized tiles:
 a comparator network (Batcher's odd-even merge sort on the tile's columns, pruned to the ranks the window
 reads) instead of a transposed copy sorted row by row. Several times faster per thread; measured in
 ``benchmarks/README.md``.
@@ -120,10 +120,11 @@ def window_block(
 ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """For a float32 (n, c) block with unit column stride (a column slice of a C-ordered matrix): each
     column's mean of ranks lo..hi-1 (c,), each row's slot count #(x >= low) - #(x > high) (n,), and the
-    columns whose window edge is tied across it (their counts need sharing: ``kernels._tie_shares``), with
-    their edge values. Releases the GIL (ctypes). The values must be finite (the kernel is built with
-    -ffinite-math-only; the rules' rounds are screened first, and a block with a non-finite row never
-    reaches it: :func:`~fedtrust.aggregators.kernels.map_column_blocks` stops there)."""
+    columns whose window edge is tied across it (their counts need sharing:
+    ``rank_windows._tie_shares``), with their edge values. Releases the GIL (ctypes). The values must be
+    finite (the kernel is built with -ffinite-math-only; the rules' rounds are screened first, and a
+    block with a non-finite row never reaches it:
+    :func:`~fedtrust.aggregators.rank_windows.map_column_blocks` stops there)."""
     n, c = x.shape
     if not suits(x):
         raise ValueError(

@@ -27,7 +27,7 @@ adversaries (accuracy 0.82 -> 0.15; the median scale is the adversaries' to set,
 make any honest cluster look like copies). Copies with noise added are therefore separate sources here.
 Groups are the connected components of the relation.
 
-Distances come from the rules' Gram kernel (:func:`~fedtrust.aggregators.kernels.pairwise_sq_distances`);
+Distances come from the rules' Gram kernel (:func:`~fedtrust.aggregators.distances.pairwise_sq_distances`);
 a pair it puts near the threshold, or whose norms are equal to the last bit, is measured again by
 explicit differences, so float32 cancellation neither splits exact copies nor joins distinct updates.
 """
@@ -40,7 +40,9 @@ from functools import cached_property
 
 import torch
 
-from fedtrust.aggregators.kernels import column_chunks, pairwise_sq_distances, row_norms
+from fedtrust.aggregators.chunks import column_blocks
+from fedtrust.aggregators.distances import pairwise_sq_distances
+from fedtrust.aggregators.passes import row_norms
 
 #: Near-duplicates by distance: squared distance at most this fraction of the smaller median squared
 #: distance to the others. 0: only copies to the rounding (see the module docstring for why).
@@ -220,7 +222,7 @@ def near_duplicates(
 def all_identical(x: torch.Tensor) -> bool:
     """Whether every row of ``x`` equals the first, bit for bit (NaN never does). Chunk by chunk, so rows
     that differ are usually told apart in the first chunk."""
-    return all(bool((x[:, cols] == x[:1, cols]).all()) for cols in column_chunks(x))
+    return all(bool((x[:, cols] == x[:1, cols]).all()) for cols in column_blocks(x))
 
 
 def find_groups(x: torch.Tensor, norms: torch.Tensor | None = None, relative: float = RELATIVE) -> Groups:

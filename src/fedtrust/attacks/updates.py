@@ -15,7 +15,7 @@ from statistics import NormalDist
 import torch
 
 from fedtrust._checks import check_choice, check_float, check_int
-from fedtrust.aggregators.kernels import gram
+from fedtrust.aggregators.distances import gram
 from fedtrust.registry import build
 
 

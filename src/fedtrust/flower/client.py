@@ -69,75 +69,92 @@ def trust_client_app(
     alone (the initial report). A node whose :func:`node_role` sets ``fedtrust-corruption``,
     ``fedtrust-attack`` or ``fedtrust-lie`` behaves as that corrupted client."""
     app = ClientApp()
-    cache: dict[int, tuple[FlatModel, LocalData]] = {}
+    nodes = _Nodes(model_fn, data_fn, task, seed)
+    defaults = {"local-epochs": local_epochs, "batch-size": batch_size, "learning-rate": lr,
+                "weight-decay": weight_decay}  # fmt: skip
 
-    def setup(context: Context) -> tuple[FlatModel, LocalData]:
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        model, data = nodes(context)
+        layout, start = _received(msg)
+        loss = mean_loss(model, start, data.x_train, data.y_train)
+        g = torch.Generator().manual_seed(seed * 7919 + int(msg.content["config"].get("server-round", 0)))
+        run = {key: context.run_config.get(key, value) for key, value in defaults.items()}
+        new = local_sgd(model, start, data.x_train, data.y_train, int(run["local-epochs"]),
+                        int(run["batch-size"]), float(run["learning-rate"]), float(run["weight-decay"]),
+                        g)  # fmt: skip
+        new = _attacked(context, start, new, g)
+        metrics = {NUM_EXAMPLES: len(data.y_train), TRAIN_LOSS: _reported_loss(context, loss)}
+        return _reply(msg, layout.unflatten(new), metrics)
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        model, data = nodes(context)
+        _, weights = _received(msg)
+        scores = model.evaluate(weights, data.x_test, data.y_test)
+        return _reply(msg, None, {NUM_EXAMPLES: len(data.y_test), **scores})
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        model, data = nodes(context)
+        _, weights = _received(msg)
+        loss = mean_loss(model, weights, data.x_train, data.y_train)
+        return _reply(msg, None, {NUM_EXAMPLES: len(data.y_train), TRAIN_LOSS: _reported_loss(context, loss)})
+
+    return app
+
+
+class _Nodes:
+    """Each node's model and local data, built once per node id; a node whose role names a data
+    corruption gets its training rows corrupted (seeded by ``seed`` and its node id)."""
+
+    def __init__(self, model_fn, data_fn, task: str, seed: int):
+        self.model_fn, self.data_fn, self.task, self.seed = model_fn, data_fn, task, seed
+        self.cache: dict[int, tuple[FlatModel, LocalData]] = {}
+
+    def __call__(self, context: Context) -> tuple[FlatModel, LocalData]:
         key = context.node_id
-        if key not in cache:
-            model = FlatModel(model_fn(context), task)
-            data = data_fn(context)
+        if key not in self.cache:
+            model = FlatModel(self.model_fn(context), self.task)
+            data = self.data_fn(context)
             name = node_role(context).get(CORRUPTION)
             if name:
-                g = torch.Generator().manual_seed(seed + int(context.node_id) % 2**31)
+                g = torch.Generator().manual_seed(self.seed + int(context.node_id) % 2**31)
                 x, y = corrupt(
                     data_corruption(str(name)), data.x_train, data.y_train, data.num_classes, 1.0, g
                 )
                 data = LocalData(x, y, data.x_test, data.y_test, data.num_classes)
-            cache[key] = (model, data)
-        return cache[key]
+            self.cache[key] = (model, data)
+        return self.cache[key]
 
-    def reply(msg: Message, arrays: ArrayRecord | None, metrics: dict) -> Message:
-        content = RecordDict({"metrics": MetricRecord(metrics)})
-        if arrays is not None:
-            content["arrays"] = arrays
-        return Message(content=content, reply_to=msg)
 
-    def received(msg: Message) -> tuple[ArrayLayout, torch.Tensor]:
-        record = msg.content.array_records["arrays"]
-        layout = ArrayLayout(record)
-        return layout, layout.flatten(record)
+def _attacked(context: Context, start: torch.Tensor, new: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """The model a node sends: ``new``, or what the update attack its role names makes of it (one that
+    needs only the node's own update)."""
+    name = node_role(context).get(ATTACK)
+    if not name:
+        return new
+    adversary = attack(str(name))
+    if getattr(adversary, "colluding", False):
+        raise ValueError(f"attack {name!r} needs the other clients' updates; a single client cannot run it")
+    ctx = AttackContext((new - start)[None], torch.tensor([True]), start, "params", g)
+    return start + adversary(ctx)[0]
 
-    def reported_loss(context: Context, loss: float) -> float:
-        lie = node_role(context).get(LIE)
-        return float(lie) if lie is not None else loss
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        model, data = setup(context)
-        layout, start = received(msg)
-        loss = mean_loss(model, start, data.x_train, data.y_train)
-        g = torch.Generator().manual_seed(seed * 7919 + int(msg.content["config"].get("server-round", 0)))
-        run = context.run_config
-        new = local_sgd(model, start, data.x_train, data.y_train, int(run.get("local-epochs", local_epochs)),
-                        int(run.get("batch-size", batch_size)), float(run.get("learning-rate", lr)),
-                        float(run.get("weight-decay", weight_decay)), g)  # fmt: skip
-        name = node_role(context).get(ATTACK)
-        if name:
-            adversary = attack(str(name))
-            if getattr(adversary, "colluding", False):
-                raise ValueError(
-                    f"attack {name!r} needs the other clients' updates; a single client cannot run it"
-                )
-            ctx = AttackContext((new - start)[None], torch.tensor([True]), start, "params", g)
-            new = start + adversary(ctx)[0]
-        return reply(
-            msg,
-            layout.unflatten(new),
-            {NUM_EXAMPLES: len(data.y_train), TRAIN_LOSS: reported_loss(context, loss)},
-        )
+def _reported_loss(context: Context, loss: float) -> float:
+    """The train_loss a node reports: its own, or the lie its role sets."""
+    lie = node_role(context).get(LIE)
+    return float(lie) if lie is not None else loss
 
-    @app.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
-        model, data = setup(context)
-        _, weights = received(msg)
-        scores = model.evaluate(weights, data.x_test, data.y_test)
-        return reply(msg, None, {NUM_EXAMPLES: len(data.y_test), **scores})
 
-    @app.query()
-    def query(msg: Message, context: Context) -> Message:
-        model, data = setup(context)
-        _, weights = received(msg)
-        loss = mean_loss(model, weights, data.x_train, data.y_train)
-        return reply(msg, None, {NUM_EXAMPLES: len(data.y_train), TRAIN_LOSS: reported_loss(context, loss)})
+def _received(msg: Message) -> tuple[ArrayLayout, torch.Tensor]:
+    record = msg.content.array_records["arrays"]
+    layout = ArrayLayout(record)
+    return layout, layout.flatten(record)
 
-    return app
+
+def _reply(msg: Message, arrays: ArrayRecord | None, metrics: dict) -> Message:
+    content = RecordDict({"metrics": MetricRecord(metrics)})
+    if arrays is not None:
+        content["arrays"] = arrays
+    return Message(content=content, reply_to=msg)

@@ -492,122 +492,22 @@ def icov_vb(
     if noise not in ("per_source", "shared"):
         raise ValueError(f"icov_vb: noise must be 'per_source' or 'shared', got {noise!r}")
     t = as_tasks(estimates, mask)
-    tasks, sources, k = t.shape
-    d = latent_dim
-    m = t.m
-    gram = TaskGram.of(t)
     tol = resolve_tol(tol, t.x.dtype)
-    keys = list(range(sources)) if source_keys is None else list(source_keys)
-    init = init or {}
-    eye = torch.eye(d, dtype=torch.float64, device=t.x.device)
-    start = mean_noise(t, gram)
-    if "noise" in init:
-        given = torch.as_tensor(init["noise"], dtype=torch.float64).clone()
-        start = torch.where(torch.isnan(given), start, given)
-    s2 = start if noise == "per_source" else torch.full_like(start, float(start.mean()))
-    plain_sq = float(gram.sq_norm(m / m.sum(1, keepdim=True)).sum()) / (tasks * k)
-    sy2 = float(init.get("sigma_y2", plain_sq + float(s2.mean())))
-    su2 = float(init.get("sigma_u2", 1.0))
-    sv2 = torch.as_tensor(init.get("sigma_v2", float(s2.mean()) / d), dtype=torch.float64).expand(d).clone()
-    v = (
-        torch.as_tensor(init["V"], dtype=torch.float64).clone()
-        if "V" in init
-        else latent_init(keys, d, seed, sv2.sqrt())
+    sweep = _VbSweep(t, latent_dim, noise, ard, past)
+    state = sweep.start(
+        list(range(t.shape[1])) if source_keys is None else list(source_keys), seed, init or {}
     )
-    psi = (
-        torch.as_tensor(init["Psi"], dtype=torch.float64).clone()
-        if "Psi" in init
-        else torch.diag(sv2).expand(sources, d, d).clone()
-    )
-    # ybar_i and the rows of U_i stay combinations of task i's estimates: ybar_i = sum_j alpha_ij x_ij,
-    # U_i = sum_j x_ij coef_u_ij', so the iterations run on the Gram matrices (one pass over the data).
-    coef_u = torch.zeros(tasks, sources, d, dtype=torch.float64, device=t.x.device)
-    to_residual = torch.eye(sources, dtype=torch.float64, device=t.x.device)[None]  # minus alpha: x - ybar
-    seen = m.sum(0) + (0 if past is None else past.mask.to(torch.float64).sum(0))
-    active = seen > 0
-    n_obs = float(seen.sum()) * k
-    state = _VbState(coef_u, v, psi, s2, sy2, su2, sv2)
-
-    def update(packed: torch.Tensor) -> Step:
-        """One sweep of eqs 14-23 from a state; the weights are eq 3's under the state it ends at."""
-        coef_u, v, psi, s2, sy2, su2, sv2 = state.unpack(packed)
-        w = m / s2  # (I, J): 1 / sigma_j^2 where source j reported on task i
-        s_vec = w @ v  # (I, D): sum_j vbar_j / sigma_j^2
-        # q(y): eqs 14-15
-        lam = 1.0 / (1.0 / sy2 + w.sum(1))
-        alpha = lam[:, None] * (w - torch.einsum("ijd,id->ij", coef_u, s_vec))  # ybar = lam (sum w x - U s)
-        # q(U): eqs 16-17
-        second_v = psi + v[:, :, None] * v[:, None, :]  # E[v v'] (J, D, D)
-        phi_u = torch.linalg.inv(eye / su2 + torch.einsum("ij,jde->ide", w, second_v))
-        wv = w[:, :, None] * v[None]  # (I, J, D)
-        coef_u = torch.einsum("ijd,ide->ije", wv - alpha[:, :, None] * s_vec[:, None, :], phi_u)  # (16)
-        # this task's statistics
-        utu = gram.form(coef_u, coef_u)  # U_i' U_i
-        big_a = k * phi_u + utu
-        b = gram.form(coef_u, to_residual - alpha[:, :, None]).transpose(1, 2) * m[:, :, None]  # U'(x - ybar)
-        c = (gram.residuals(alpha, m) + k * lam[:, None]) * m
-        yterm = k * lam + gram.sq_norm(alpha)
-        uterm = k * phi_u.diagonal(dim1=1, dim2=2).sum(1) + utu.diagonal(dim1=1, dim2=2).sum(1)
-        now = IcovVbPast(t.mask, big_a, b, c, yterm, uterm, k)
-        stats = now if past is None else now.cat(past)
-        sm = stats.mask.to(torch.float64)
-        # q(V): eqs 18-19, for the sources seen in this window
-        prior = torch.diag(1.0 / sv2)
-        psi_new = torch.linalg.inv(prior + torch.einsum("pj,pde->jde", sm, stats.A) / s2[:, None, None])
-        v_new = torch.einsum("jde,je->jd", psi_new, torch.einsum("pj,pjd->jd", sm, stats.b)) / s2[:, None]
-        psi = torch.where(active[:, None, None], psi_new, psi)
-        v = torch.where(active[:, None], v_new, v)
-        # hyper-parameters: eqs 20-23
-        n_tasks = len(stats.yterm)
-        sy2 = float(stats.yterm.sum()) / (k * n_tasks)
-        su2 = float(stats.uterm.sum()) / (d * k * n_tasks)
-        if ard:  # eq 22's fixed point per dimension, rearranged as MacKay's update (see the docstring)
-            gamma = (1.0 - psi.diagonal(dim1=1, dim2=2)[active] / sv2).sum(0)
-            sv2 = v[active].square().sum(0) / gamma.clamp_min(torch.finfo(torch.float64).tiny)
-        else:
-            sv2 = (psi.diagonal(dim1=1, dim2=2) + v.square())[active].mean().expand(d)  # E[v_jd^2]
-        su2, sv2 = state.floored(su2, sv2, s2)
-        if ard:  # a latent dimension whose variance no longer matters is pruned: set at its limit, the floor
-            gone = su2 * sv2 < PRUNE * float(s2[active].mean())
-            if bool(gone.any()):
-                keep = (~gone).to(v.dtype)
-                v = v * keep
-                su2, sv2 = state.floored(su2, torch.where(gone, 0.0, sv2), s2)
-                psi = psi * (keep[:, None] * keep[None, :]) + torch.diag(torch.where(gone, sv2, 0.0))
-        second_v = psi + v[:, :, None] * v[:, None, :]
-        err = (
-            stats.c
-            - 2 * torch.einsum("pjd,jd->pj", stats.b, v)
-            + torch.einsum("pde,jed->pj", stats.A, second_v)
-        )
-        spread = (sm * err).sum(0)
-        if noise == "per_source":
-            s2 = torch.where(active, spread / (k * seen).clamp_min(1), s2)
-        else:
-            s2 = torch.full_like(s2, float(spread.sum()) / n_obs)
-        energy = _icov_vb_free_energy(stats, sm, err, s2, sy2, su2, sv2, v, psi, active, lam, phi_u, k, d)
-        # Algorithm 2, line 3: inverse-covariance weighting (eq 3) under the fitted model's covariance
-        # Sigma = sigma_u^2 E[V V'] + diag(sigma_j^2), with E[v_j v_j'] = vbar_j vbar_j' + Psi_j.
-        # The loadings are centred first, counting the sources by precision (centre_loadings): the free
-        # energy barely sees their centre (it moves into y_i, under a prior of variance sigma_y^2), eq 3 does.
-        vc = centre_loadings(v, active, s2 + su2 * psi.diagonal(dim1=1, dim2=2).sum(1), su2)
-        sigma = su2 * (vc @ vc.T + torch.diag(psi.diagonal(dim1=1, dim2=2).sum(1))) + torch.diag(s2)
-        a = consensus_coefficients(sigma, t.mask)
-        fields = (coef_u, v, psi, s2, sy2, su2, sv2)
-        return Step(state.pack(*fields), a, energy / n_obs, (fields, lam, phi_u, alpha, sigma, now))
-
-    fit = squarem(update, state.pack(*state.fields), max_iter, tol)
+    fit = squarem(sweep, state.pack(*state.fields), max_iter, tol)
     (coef_u, v, psi, s2, sy2, su2, sv2), lam, phi_u, alpha, sigma, now = fit.last.record
-    a, trace, it, changes = fit.last.weights, fit.trace, fit.iterations, fit.changes
     return InferenceResult(
         estimator="icov_vb",
-        consensus=weighted_sums(t, a),
+        consensus=weighted_sums(t, fit.last.weights),
         noise=sigma.diagonal().clone(),
-        weights=a,
-        trace=trace,
-        iterations=it,
+        weights=fit.last.weights,
+        trace=fit.trace,
+        iterations=fit.iterations,
         converged=fit.converged(tol),
-        changes=list(changes),
+        changes=list(fit.changes),
         tol=tol,
         params={
             "V": v,
@@ -625,6 +525,151 @@ def icov_vb(
         },  # fmt: skip
         past=now,
     )
+
+
+class _VbSweep:
+    """ICOV-VB's sweep (eqs 14-23, then eq 3's weights) on one set of tasks, as the map SQUAREM iterates:
+    ``sweep(packed state) -> Step``. Each block of the sweep is a method named for its equations."""
+
+    def __init__(self, t, latent_dim: int, noise: str, ard: bool, past: IcovVbPast | None):
+        self.t, self.d, self.noise, self.ard, self.past = t, latent_dim, noise, ard, past
+        self.k = t.shape[2]
+        self.m = t.m
+        self.gram = TaskGram.of(t)
+        self.eye = torch.eye(latent_dim, dtype=torch.float64, device=t.x.device)
+        # minus alpha: x - ybar
+        self.to_residual = torch.eye(t.shape[1], dtype=torch.float64, device=t.x.device)[None]
+        self.seen = self.m.sum(0) + (0 if past is None else past.mask.to(torch.float64).sum(0))
+        self.active = self.seen > 0
+        self.n_obs = float(self.seen.sum()) * self.k
+
+    def start(self, keys: list, seed: int, init: dict) -> _VbState:
+        """The starting state: IVAR's noise levels (or ``init``'s), the priors' variances from the data's
+        spread, the loadings seeded by source key. ybar_i and the rows of U_i stay combinations of task
+        i's estimates: ybar_i = sum_j alpha_ij x_ij, U_i = sum_j x_ij coef_u_ij', so the iterations run on
+        the Gram matrices (one pass over the data)."""
+        t, m, d = self.t, self.m, self.d
+        tasks, sources, k = t.shape
+        start = mean_noise(t, self.gram)
+        if "noise" in init:
+            given = torch.as_tensor(init["noise"], dtype=torch.float64).clone()
+            start = torch.where(torch.isnan(given), start, given)
+        s2 = start if self.noise == "per_source" else torch.full_like(start, float(start.mean()))
+        plain_sq = float(self.gram.sq_norm(m / m.sum(1, keepdim=True)).sum()) / (tasks * k)
+        sy2 = float(init.get("sigma_y2", plain_sq + float(s2.mean())))
+        su2 = float(init.get("sigma_u2", 1.0))
+        sv2 = (
+            torch.as_tensor(init.get("sigma_v2", float(s2.mean()) / d), dtype=torch.float64).expand(d).clone()
+        )
+        v = (
+            torch.as_tensor(init["V"], dtype=torch.float64).clone()
+            if "V" in init
+            else latent_init(keys, d, seed, sv2.sqrt())
+        )
+        psi = (
+            torch.as_tensor(init["Psi"], dtype=torch.float64).clone()
+            if "Psi" in init
+            else torch.diag(sv2).expand(sources, d, d).clone()
+        )
+        coef_u = torch.zeros(tasks, sources, d, dtype=torch.float64, device=t.x.device)
+        self.state = _VbState(coef_u, v, psi, s2, sy2, su2, sv2)
+        return self.state
+
+    def __call__(self, packed: torch.Tensor) -> Step:
+        """One sweep of eqs 14-23 from a state; the weights are eq 3's under the state it ends at."""
+        coef_u, v, psi, s2, sy2, su2, sv2 = self.state.unpack(packed)
+        lam, alpha, phi_u, coef_u, now = self.tasks(coef_u, v, psi, s2, sy2, su2)
+        stats = now if self.past is None else now.cat(self.past)
+        sm = stats.mask.to(torch.float64)
+        v, psi = self.sources(stats, sm, v, psi, s2, sv2)
+        sy2, su2, sv2, v, psi = self.priors(stats, v, psi, s2, sv2)
+        err, s2 = self.noise_levels(stats, sm, v, psi, s2)
+        energy = _icov_vb_free_energy(
+            stats, sm, err, s2, sy2, su2, sv2, v, psi, self.active, lam, phi_u, self.k, self.d
+        )
+        sigma, a = icov_vb_weights(v, psi, s2, su2, self.active, self.t.mask)
+        fields = (coef_u, v, psi, s2, sy2, su2, sv2)
+        return Step(self.state.pack(*fields), a, energy / self.n_obs, (fields, lam, phi_u, alpha, sigma, now))
+
+    def tasks(self, coef_u, v, psi, s2, sy2: float, su2: float):
+        """q(y) (eqs 14-15) and q(U) (eqs 16-17) for every task, and the task statistics the source and
+        prior updates read (:class:`IcovVbPast`)."""
+        m, k, gram = self.m, self.k, self.gram
+        w = m / s2  # (I, J): 1 / sigma_j^2 where source j reported on task i
+        s_vec = w @ v  # (I, D): sum_j vbar_j / sigma_j^2
+        lam = 1.0 / (1.0 / sy2 + w.sum(1))
+        alpha = lam[:, None] * (w - torch.einsum("ijd,id->ij", coef_u, s_vec))  # ybar = lam (sum w x - U s)
+        second_v = psi + v[:, :, None] * v[:, None, :]  # E[v v'] (J, D, D)
+        phi_u = torch.linalg.inv(self.eye / su2 + torch.einsum("ij,jde->ide", w, second_v))
+        wv = w[:, :, None] * v[None]  # (I, J, D)
+        coef_u = torch.einsum("ijd,ide->ije", wv - alpha[:, :, None] * s_vec[:, None, :], phi_u)  # (16)
+        utu = gram.form(coef_u, coef_u)  # U_i' U_i
+        big_a = k * phi_u + utu
+        b = (
+            gram.form(coef_u, self.to_residual - alpha[:, :, None]).transpose(1, 2) * m[:, :, None]
+        )  # U'(x - ybar)
+        c = (gram.residuals(alpha, m) + k * lam[:, None]) * m
+        yterm = k * lam + gram.sq_norm(alpha)
+        uterm = k * phi_u.diagonal(dim1=1, dim2=2).sum(1) + utu.diagonal(dim1=1, dim2=2).sum(1)
+        return lam, alpha, phi_u, coef_u, IcovVbPast(self.t.mask, big_a, b, c, yterm, uterm, k)
+
+    def sources(self, stats, sm, v, psi, s2, sv2):
+        """q(V): eqs 18-19, for the sources seen in this window (the others keep theirs)."""
+        prior = torch.diag(1.0 / sv2)
+        psi_new = torch.linalg.inv(prior + torch.einsum("pj,pde->jde", sm, stats.A) / s2[:, None, None])
+        v_new = torch.einsum("jde,je->jd", psi_new, torch.einsum("pj,pjd->jd", sm, stats.b)) / s2[:, None]
+        active = self.active
+        return torch.where(active[:, None], v_new, v), torch.where(active[:, None, None], psi_new, psi)
+
+    def priors(self, stats, v, psi, s2, sv2):
+        """The prior variances sigma_y^2, sigma_u^2 (eqs 20-21) and sigma_v^2 (eq 22, or per dimension
+        by MacKay's update with ARD, pruning the dimensions whose variance no longer matters)."""
+        k, d, active, state = self.k, self.d, self.active, self.state
+        n_tasks = len(stats.yterm)
+        sy2 = float(stats.yterm.sum()) / (k * n_tasks)
+        su2 = float(stats.uterm.sum()) / (d * k * n_tasks)
+        if self.ard:  # eq 22's fixed point per dimension, rearranged as MacKay's update (see icov_vb)
+            gamma = (1.0 - psi.diagonal(dim1=1, dim2=2)[active] / sv2).sum(0)
+            sv2 = v[active].square().sum(0) / gamma.clamp_min(torch.finfo(torch.float64).tiny)
+        else:
+            sv2 = (psi.diagonal(dim1=1, dim2=2) + v.square())[active].mean().expand(d)  # E[v_jd^2]
+        su2, sv2 = state.floored(su2, sv2, s2)
+        if self.ard:  # a latent dimension whose variance no longer matters is pruned: set at its limit
+            gone = su2 * sv2 < PRUNE * float(s2[active].mean())
+            if bool(gone.any()):
+                keep = (~gone).to(v.dtype)
+                v = v * keep
+                su2, sv2 = state.floored(su2, torch.where(gone, 0.0, sv2), s2)
+                psi = psi * (keep[:, None] * keep[None, :]) + torch.diag(torch.where(gone, sv2, 0.0))
+        return sy2, su2, sv2, v, psi
+
+    def noise_levels(self, stats, sm, v, psi, s2):
+        """Eq 23: each source's expected squared error (``err``, per task) and its noise variance
+        sigma_j^2 (per source, or one shared)."""
+        second_v = psi + v[:, :, None] * v[:, None, :]
+        err = (
+            stats.c
+            - 2 * torch.einsum("pjd,jd->pj", stats.b, v)
+            + torch.einsum("pde,jed->pj", stats.A, second_v)
+        )
+        spread = (sm * err).sum(0)
+        if self.noise == "per_source":
+            s2 = torch.where(self.active, spread / (self.k * self.seen).clamp_min(1), s2)
+        else:
+            s2 = torch.full_like(s2, float(spread.sum()) / self.n_obs)
+        return err, s2
+
+
+def icov_vb_weights(v, psi, s2, su2: float, active, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """Algorithm 2, line 3: inverse-covariance weighting (eq 3) under the fitted model's covariance
+    Sigma = sigma_u^2 E[V V'] + diag(sigma_j^2), with E[v_j v_j'] = vbar_j vbar_j' + Psi_j. Returns
+    (Sigma, the weights). The loadings are centred first, counting the sources by precision
+    (:func:`centre_loadings`): the free energy barely sees their centre (it moves into y_i, under a prior
+    of variance sigma_y^2), eq 3 does."""
+    trace_psi = psi.diagonal(dim1=1, dim2=2).sum(1)
+    vc = centre_loadings(v, active, s2 + su2 * trace_psi, su2)
+    sigma = su2 * (vc @ vc.T + torch.diag(trace_psi)) + torch.diag(s2)
+    return sigma, consensus_coefficients(sigma, mask)
 
 
 def _icov_vb_free_energy(stats, sm, err, s2, sy2, su2, sv2, v, psi, active, lam, phi_u, k, d) -> float:

@@ -41,7 +41,8 @@ import torch
 from fedtrust._checks import check_choice, check_float, check_int, check_tol
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round, RoundRefused
-from fedtrust.aggregators.kernels import pairwise_sq_distances, row_norms
+from fedtrust.aggregators.distances import pairwise_sq_distances
+from fedtrust.aggregators.passes import row_norms
 from fedtrust.aggregators.screening import FirstPass
 from fedtrust.aggregators.state import (
     ClientId,

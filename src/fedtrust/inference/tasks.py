@@ -8,10 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedtrust.aggregators.kernels import CombinationPasses, row_gram
-
-#: Bytes of the estimates one chunk of coordinates covers (its temporaries stay in cache).
-CHUNK_BYTES = 1 << 22
+from fedtrust.aggregators.chunks import column_blocks
+from fedtrust.aggregators.distances import row_gram
+from fedtrust.aggregators.passes import CombinationPasses
 
 
 @dataclass(frozen=True)
@@ -33,11 +32,9 @@ class Tasks:
         """The mask as float64 (I, J)."""
         return self.mask.to(torch.float64)
 
-    def chunks(self):
-        i, j, k = self.x.shape
-        width = max(1, CHUNK_BYTES // max(1, i * j * self.x.element_size()))
-        for start in range(0, k, width):
-            yield slice(start, min(k, start + width))
+    def chunks(self) -> list[slice]:
+        """Blocks of coordinates whose temporaries stay in cache (the ``"cached"`` budget)."""
+        return column_blocks(self.x, "cached")
 
 
 def as_tasks(estimates, mask=None) -> Tasks:
@@ -162,7 +159,7 @@ class TaskGram:
 
 class TaskPasses:
     """The direct alternative to :class:`TaskGram`: each evaluation of the residuals is one fused pass
-    over the data (:class:`~fedtrust.aggregators.kernels.CombinationPasses`: per cache-sized chunk of
+    over the data (:class:`~fedtrust.aggregators.passes.CombinationPasses`: per cache-sized chunk of
     coordinates, form the combination, then the distances to it). Cheaper than a Gram matrix for many
     sources and few iterations, as in IVAR-MLE. The last combination formed is kept (``combination``),
     so the consensus of the final weights costs no further pass."""

@@ -136,12 +136,21 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
     out.mkdir(parents=True, exist_ok=True)
     done = [r for r in runs if r.status == "finished"]
     metric = done[0].metric if done else "accuracy"
+    lines = [*_tables(directory.name, runs, metric), *_problems(runs, done), *_figures(done, metric, out)]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _tables(name: str, runs: list[Run], metric: str) -> list[str]:
+    """The report's heading and its tables: the final metric, the other metrics, detection AUROC, the
+    weight on corrupted clients, the rounds that did not converge, the votes sybils shared."""
     seeds = sorted({r.seed for r in runs if r.manifest})
     counts = Counter(r.status for r in runs)
     statuses = [f"{counts[k]} {k}" for k in ("finished", "failed", "running", "unreadable") if counts[k]]
     unconverged = _unconverged(runs)
-    lines = [
-        f"# Report: {directory.name}",
+    return [
+        f"# Report: {name}",
         "",
         f"{len(runs)} runs ({', '.join(statuses)}); "
         f"seeds {seeds}. Cells: mean ± sd over the seeds of finished runs; failed runs are counted, not "
@@ -170,6 +179,17 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
         *unconverged,
         *_shared_votes(runs),
     ]
+
+
+def _problems(runs: list[Run], done: list[Run]) -> list[str]:
+    """The runs left out of the tables (failed, unfinished, unreadable), each with why, and the finished
+    runs with rounds skipped because the rule raised."""
+    why = {
+        "failed": lambda r: r.manifest.get("error"),
+        "running": lambda r: f"{len(r.rounds)} rounds so far",
+        "unreadable": lambda r: r.problem,
+    }
+    lines = []
     for status, title in (
         ("failed", "Failed runs"),
         ("running", "Unfinished runs (interrupted or still running; left out)"),
@@ -177,42 +197,42 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
     ):
         listed = [r for r in runs if r.status == status]
         if listed:
-            why = {
-                "failed": lambda r: r.manifest.get("error"),
-                "running": lambda r: f"{len(r.rounds)} rounds so far",
-            }
-            lines += [f"## {title}", ""]
-            lines += [f"- {r.directory.name}: {why.get(status, lambda r: r.problem)(r)}" for r in listed] + [
-                ""
-            ]
+            lines += [f"## {title}", "", *(f"- {r.directory.name}: {why[status](r)}" for r in listed), ""]
     skipped = [(r, r.errors()) for r in done if r.errors()]
     if skipped:
         lines += ["## Rounds skipped because the rule raised", ""]
         lines += [f"- {r.directory.name}: {n} rounds" for r, n in skipped] + [""]
+    return lines
+
+
+def _figures(done: list[Run], metric: str, out: Path) -> list[str]:
+    """Draw the report's figures into ``out`` (the final metric against each numeric sweep key,
+    calibration, the metric over rounds, trust heatmaps per setting) and return their sections."""
+    lines = []
     for key in _numeric_sweeps(done):
         png = sweep_curves(done, key, out / f"sweep_{_slug(key)}.png")
         lines += [f"## Final test {metric} against {key}", "", f"![{key}]({png.name})", ""]
-    if any(r.predictions() is not None for r in done):
-        png = calibration([r for r in done if r.predictions() is not None], out / "calibration.png")
+    predictive = [r for r in done if r.predictions() is not None]
+    if predictive:
+        png = calibration(predictive, out / "calibration.png")
         lines += [
             "## Calibration of the final predictive distributions",
             "",
             f"![calibration]({png.name})",
             "",
         ]
-    if done:
-        lines += [
-            f"## Test {metric} over rounds",
-            "",
-            f"![{metric}]({metric_curves(done, out / 'curves.png').name})",
-            "",
-        ]
-        lines += ["## Trust over rounds", ""]
-        for setting in dict.fromkeys(r.setting for r in done):
-            png = trust_heatmaps(
-                [r for r in done if r.setting == setting], out / f"trust_{_slug(setting)}.png", setting
-            )
-            lines += [f"### {setting}", "", f"![trust]({png.name})", ""]
-    path = out / "report.md"
-    path.write_text("\n".join(lines))
-    return path
+    if not done:
+        return lines
+    lines += [
+        f"## Test {metric} over rounds",
+        "",
+        f"![{metric}]({metric_curves(done, out / 'curves.png').name})",
+        "",
+    ]
+    lines += ["## Trust over rounds", ""]
+    for setting in dict.fromkeys(r.setting for r in done):
+        png = trust_heatmaps(
+            [r for r in done if r.setting == setting], out / f"trust_{_slug(setting)}.png", setting
+        )
+        lines += [f"### {setting}", "", f"![trust]({png.name})", ""]
+    return lines

@@ -13,18 +13,11 @@ import torch
 from fedtrust.aggregators import Round
 from fedtrust.attacks import AttackContext
 from fedtrust.models import FlatModel
-from fedtrust.probabilistic import scoring
-from fedtrust.probabilistic.posterior import (
-    GaussianPosterior,
-    bootstrap_predictive,
-    linear_predictive,
-    noise_precision,
-    omc_predictive,
-)
 from fedtrust.server import server_step
 from fedtrust.sim.batched import Stacked, batched_local_sgd, batched_minibatch_gradients, mean_losses
+from fedtrust.sim.detection import detection_auroc
+from fedtrust.sim.evaluation import Evaluation, default_evaluation
 from fedtrust.sim.federation import Federation
-from fedtrust.sim.scoring import detection_auroc
 from fedtrust.sim.seeding import stream
 from fedtrust.sim.settings import TrainSettings
 from fedtrust.sim.store import RecoveryWarning, RunStore, now
@@ -48,7 +41,8 @@ class Simulation:
     model that update would produce.
 
     Every random choice comes from a stream keyed by (seed, purpose, round, client), so a resumed run is
-    identical to an uninterrupted one.
+    identical to an uninterrupted one. ``evaluation`` scores the global model (see
+    :mod:`fedtrust.sim.evaluation`; by default the test-set metrics, or FedAG's predictive scores).
     """
 
     def __init__(
@@ -60,6 +54,7 @@ class Simulation:
         seed: int = 0,
         attack=None,
         lie: Lie | None = None,
+        evaluation: Evaluation | None = None,
     ):
         self.fed = federation
         self.model = model
@@ -70,10 +65,9 @@ class Simulation:
         self.lie = lie
         self.initial = model.init(seed)
         self.vector = self.initial.clone()
-        self.posterior: GaussianPosterior | None = None
+        self.evaluation = evaluation or default_evaluation(model, federation, settings, seed)
         self.failure: str | None = None  # why the last run failed (see run), None when it did not
         self.diverged = False  # the last round's aggregate would have made the global model non-finite
-        self._posterior_data: list = []
         convolutional = any(isinstance(m, torch.nn.Conv2d) for m in model.module.modules())
         self.batched = settings.executor == "batched" or (settings.executor == "auto" and not convolutional)
         self._stacked = Stacked(federation.data) if self.batched else None
@@ -145,37 +139,6 @@ class Simulation:
                 updates[i] = new - start
         return updates, losses
 
-    def predictive(self, x: torch.Tensor, t: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(mu, sigma) of the predictive distribution under the latest posterior (a regression run with a
-        probabilistic rule), by the configured method; None without a posterior."""
-        if self.posterior is None:
-            return None
-        s = self.settings
-        beta = (
-            noise_precision(self.model, self.vector, self._posterior_data)
-            if (s.predictive == "linear" or s.predictive_noise)
-            else None
-        )
-        noise = 1.0 / beta if s.predictive_noise else 0.0
-        if s.predictive == "linear":
-            return linear_predictive(self.posterior, x, beta)
-        if s.predictive == "omc":
-            return omc_predictive(
-                self.model, self.posterior, x, s.predictive_samples, stream(self.seed, "omc", t), noise
-            )
-        return bootstrap_predictive(self.model, self.posterior, x, noise)
-
-    def evaluate(self, t: int) -> dict[str, float]:
-        data = self.fed.dataset
-        if data.num_classes is None and self.posterior is not None:
-            mu, sigma = self.predictive(data.x_test, t)
-            s, c = data.y_scale, data.y_shift
-            return scoring.summary(data.y_test * s + c, mu * s + c, sigma.clamp_min(1e-12) * s)
-        metrics = self.model.evaluate(self.vector, data.x_test, data.y_test)
-        if data.num_classes is None and data.y_scale != 1.0:
-            metrics = {"rmse": metrics["rmse"] * data.y_scale, "mse": metrics["mse"] * data.y_scale**2}
-        return metrics
-
     def initial_report(self) -> None:
         """Every client reports its train_loss at the initial model (liars lie here too), for rules
         with an ``observe`` hook (ARFL's Algorithm 1, line 1)."""
@@ -184,9 +147,10 @@ class Simulation:
             losses[self.fed.corrupted] = self.lie.value
         self.rule.observe(list(self.fed.ids), self.fed.sizes(), {"train_loss": losses})
 
-    def step(self, t: int) -> dict[str, Any]:
-        began = time.perf_counter()
-        chosen = self.sample(t)
+    def client_round(self, t: int, chosen: list[int]) -> Round:
+        """What the server receives in round ``t`` from the ``chosen`` clients: their updates (the
+        corrupted clients' replaced by the attack's), reported metrics (liars' misreported) and, when the
+        server holds a benchmark split, the round's ``reference``."""
         updates, losses = self.local_updates(t, chosen)
         bad = self.fed.corrupted[chosen]
         if self.attack is not None and bool(bad.any()):
@@ -204,28 +168,33 @@ class Simulation:
 
             reference.size = len(by)  # type: ignore[attr-defined]
         sizes = self.fed.sizes()
-        round_ = Round(
+        return Round(
             updates=updates,
             client_ids=[self.fed.ids[k] for k in chosen],
             num_samples=[sizes[k] for k in chosen],
             metrics=metrics,
             reference=reference,
         )
+
+    def step(self, t: int) -> dict[str, Any]:
+        """One round: sample, the clients' round, the server step (:func:`fedtrust.server.server_step`),
+        the evaluation; returns the round's record."""
+        began = time.perf_counter()
+        chosen = self.sample(t)
+        round_ = self.client_round(t, chosen)
         rule_began = time.perf_counter()
         before = self.initial if self.settings.mode == "one_round" else self.vector
         result = server_step(self.rule, round_, self.vector, self._after)
         self.vector, self.diverged = result.vector, result.diverged
-        out = result.aggregate
-        if result.applied and "posterior_var" in out.info and self.settings.mode != "gradient":
-            self.posterior = GaussianPosterior(self.vector, out.info["posterior_var"].detach(),
-                                               before + round_.updates, out.weights.detach())  # fmt: skip
-            self._posterior_data = [self.fed.data[k] for k in chosen]
+        if result.applied:
+            self.evaluation.observe(t, self.vector, result.aggregate, before + round_.updates, chosen)
         rule_seconds = time.perf_counter() - rule_began
-        last = t == self.rounds
         evaluated = None
-        if last or t % self.settings.eval_every == 0:
-            evaluated = self.evaluate(t)
-        corrupted = bad.tolist()
+        if t == self.rounds or t % self.settings.eval_every == 0:
+            evaluated = self.evaluation(t, self.vector)
+        corrupted = self.fed.corrupted[chosen].tolist()
+        losses = round_.metrics.get("train_loss")
+        sizes = self.fed.sizes()
         return {
             "round": t,
             "metrics": evaluated,
@@ -233,7 +202,7 @@ class Simulation:
             "num_samples": [sizes[k] for k in chosen],
             "corrupted": corrupted,
             "weights": result.weights,
-            "train_loss": metrics["train_loss"].tolist() if "train_loss" in metrics else None,
+            "train_loss": None if losses is None else losses.tolist(),
             "auroc": None if result.error else detection_auroc(result.weights, corrupted),
             "quarantined": result.quarantined,
             "info": result.info,
@@ -308,12 +277,10 @@ class Simulation:
         return records
 
     def _save_predictions(self, store: RunStore) -> None:
-        """The final predictive distribution on the test set, for a regression run with a posterior."""
-        if self.posterior is not None and self.fed.dataset.num_classes is None:
-            data = self.fed.dataset
-            mu, sigma = self.predictive(data.x_test, self.rounds)
-            s, c = data.y_scale, data.y_shift
-            store.save_predictions(data.y_test * s + c, mu * s + c, sigma * s)
+        """The final predictive distribution on the test set, where the evaluation has one."""
+        predictions = self.evaluation.predictions(self.rounds, self.vector)
+        if predictions is not None:
+            store.save_predictions(*predictions)
 
     def _resume(
         self, store: RunStore, records: list[dict[str, Any]], notes: list[str]

@@ -19,13 +19,13 @@ from fedtrust.checkpoint import CorruptFileError
 from fedtrust.data import DATASETS
 from fedtrust.data.corruptions import DATA_CORRUPTIONS
 from fedtrust.data.partition import PARTITIONERS
-from fedtrust.experiments.config import ExperimentConfig, expand
 from fedtrust.models import build_model
 from fedtrust.registry import build
 from fedtrust.rules import RULES
 from fedtrust.sim.federation import build_federation
 from fedtrust.sim.loop import Lie, Simulation
 from fedtrust.sim.store import RunStore
+from fedtrust.sweeps.config import ExperimentConfig, expand
 
 
 @dataclass

@@ -1,0 +1,107 @@
+"""Gram matrices and pairwise distances between the rows of an (n, d) matrix: float32 GEMMs per column
+block (:mod:`~fedtrust.aggregators.chunks`), accumulated in float64, with the cancellation checks that
+keep small distances exact when the rows share a large common component."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedtrust.aggregators.chunks import column_blocks
+
+#: Up to this many rows, :func:`row_gram` splits the long dimension into batched blocks: a GEMM with a
+#: 10 x 10 output and 1e5-long inner dimension parallelises poorly (n = 10: 2x faster split).
+SPLIT_GRAM_MAX_ROWS = 16
+#: Columns per block of the split.
+SPLIT_GRAM_BLOCK = 1024
+
+
+def row_gram(r: torch.Tensor) -> torch.Tensor:
+    """``r @ r.T`` of a (J, W) float tensor (or (1, J, W) -> (1, J, J)): for few rows as a batch of
+    products over blocks of columns, summed (same float32 products, grouped differently)."""
+    *batch, j, w = r.shape
+    if math.prod(batch) != 1 or j > SPLIT_GRAM_MAX_ROWS or w < 2 * SPLIT_GRAM_BLOCK:
+        return r @ r.transpose(-1, -2)
+    flat = r.reshape(j, w)
+    nb = w // SPLIT_GRAM_BLOCK
+    head = flat[:, : nb * SPLIT_GRAM_BLOCK].unflatten(1, (nb, SPLIT_GRAM_BLOCK)).transpose(0, 1)
+    out = torch.bmm(head, head.transpose(1, 2)).sum(0)
+    if w > nb * SPLIT_GRAM_BLOCK:
+        tail = flat[:, nb * SPLIT_GRAM_BLOCK :]
+        out += tail @ tail.T
+    return out.reshape(*batch, j, j)
+
+
+def gram(x: torch.Tensor, center: str | torch.Tensor | None = None) -> torch.Tensor:
+    """(n, n) float64 Gram matrix of the rows of ``x`` after subtracting a centre.
+
+    center: None (raw rows), ``"mean"`` (each coordinate's mean over clients, which removes the
+    common component and with it most of the float32 cancellation), or a (d,) anchor vector.
+    Each chunk's product is a float32 GEMM; chunks accumulate in float64.
+    """
+    n = x.shape[0]
+    g = torch.zeros(n, n, dtype=torch.float64, device=x.device)
+    for cols in column_blocks(x, "stream"):
+        c = x[:, cols]
+        if isinstance(center, torch.Tensor):
+            c = c - center[cols]
+        elif center == "mean":
+            c = c - c.mean(0)
+        g += row_gram(c).to(torch.float64)
+    return g
+
+
+def sq_distances_from_gram(g: torch.Tensor) -> torch.Tensor:
+    """Squared distances ||x_i||^2 + ||x_j||^2 - 2 <x_i, x_j>, made exactly symmetric (so equal
+    distances compare equal whichever way round they were summed)."""
+    diag = g.diagonal()
+    g = (g + g.T) / 2
+    dist = (diag[:, None] + diag[None, :] - 2 * g).clamp_min_(0)
+    dist.fill_diagonal_(0)
+    return dist
+
+
+#: Distances come from the raw Gram matrix when no point's squared norm exceeds this many times its
+#: typical squared distance (update deltas: norms and distances are alike); otherwise from a centred one.
+_RAW_LIMIT = 10.0
+#: Re-anchor the centred Gram matrix when points lie this many times further from the centre than
+#: typical pairwise distances (float32 cancellation would then swamp the small distances).
+_CONDITION_LIMIT = 100.0
+
+
+def _ill_conditioned(g: torch.Tensor, dist: torch.Tensor, limit: float) -> bool:
+    """Whether some point's squared norm exceeds ``limit`` times its own typical squared distance (the
+    20% quantile of its distances to the others): the float32 cancellation in that point's small
+    distances is then too large. Per point, so far-away outliers (large norms, large distances) do not
+    force a recomputation; a common component shared by all points does."""
+    n = g.shape[0]
+    off = dist[~torch.eye(n, dtype=torch.bool, device=dist.device)].reshape(n, n - 1)
+    return bool((g.diagonal() > limit * torch.quantile(off, 0.2, dim=1)).any())
+
+
+def pairwise_sq_distances(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, n) float64 squared Euclidean distances between the rows of ``x`` from one Gram matrix, and the
+    (n,) float64 norms of the rows (the raw Gram's diagonal: a rule's first pass screens on them).
+
+    First from the raw Gram (one GEMM pass). If some point's squared norm exceeds ``_RAW_LIMIT`` times
+    the 20% quantile of the pairwise distances (a large common component, as with raw parameters), float32
+    cancellation could blur the small distances, so the Gram is recomputed around the coordinate-wise mean;
+    and if huge outliers drag that mean far from the honest points (centred norms above
+    ``_CONDITION_LIMIT`` times the typical distance), once more around the most central client (least
+    median distance to the others).
+    """
+    n = x.shape[0]
+    g = gram(x)
+    norms = g.diagonal().sqrt()
+    if n < 3:  # too few points for the conditioning test: centred at once
+        return sq_distances_from_gram(gram(x, "mean")), norms
+    dist = sq_distances_from_gram(g)
+    if not _ill_conditioned(g, dist, _RAW_LIMIT):
+        return dist, norms
+    g = gram(x, "mean")
+    dist = sq_distances_from_gram(g)
+    if _ill_conditioned(g, dist, _CONDITION_LIMIT):
+        anchor = int(dist.median(dim=1).values.argmin())
+        dist = sq_distances_from_gram(gram(x, x[anchor]))
+    return dist, norms

@@ -1,0 +1,118 @@
+"""Passes over an (n, d) matrix that combine its rows: norms, a weighted sum, and the fused "combine,
+then every row's distance to the combination" pass of the Weiszfeld-type rules. Work on the tensor's
+own device and dtype, in column blocks (:mod:`~fedtrust.aggregators.chunks`)."""
+
+from __future__ import annotations
+
+import torch
+
+from fedtrust.aggregators.chunks import column_blocks
+
+
+def row_norms(x: torch.Tensor) -> torch.Tensor:
+    """float64 Euclidean norms over the last dimension of ``x`` ((n, d) -> (n,), (I, J, K) -> (I, J)):
+    float32 norms per column chunk (one vectorised kernel, no temporary) summed in float64; one float32
+    norm over 1e7 entries at once is off by up to 4e-4. A chunk whose norm overflows the dtype gives inf."""
+    sq = torch.zeros(x.shape[:-1], dtype=torch.float64, device=x.device)
+    for cols in column_blocks(x, "stream"):
+        sq += torch.linalg.vector_norm(x[..., cols], dim=-1).to(torch.float64).square()
+    return sq.sqrt()
+
+
+def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``sum_i w_i x_i`` as one matrix-vector product (a single pass over ``x``)."""
+    return w.to(x.dtype) @ x
+
+
+class CombinationPasses:
+    """Repeated "combine, then every point's distance to the combination" passes over one data set: the
+    Weiszfeld steps of the geometric median, centred clipping, IVAR-MLE's iterations.
+
+    x: (n, d), or (I, J, K) for I independent groups of J points (tasks of the inference module). Each
+    call is one fused pass: per cache-sized chunk of coordinates, z = offset + sum_j w_j x_j (one
+    matrix-vector product) and, while the chunk is in cache, each x_j . z (another); the squared
+    distances follow from ||x_j||^2 - 2 x_j . z + ||z||^2, with the norms taken in the first pass and
+    kept. Per-chunk float32 partial sums are added in float64. Where the expansion cancels (a distance
+    below ``EXPANSION_FLOOR`` of ||x_j||^2 + ||z||^2, as when the points share a large common component)
+    those distances are redone by explicit differences.
+    """
+
+    #: Squared distances below this fraction of ||x_j||^2 + ||z||^2 are recomputed by differences.
+    EXPANSION_FLOOR = 1e-2
+
+    def __init__(self, x: torch.Tensor, norms: torch.Tensor | None = None):
+        """``norms``: the points' norms if already known, else the first pass takes them
+        (:meth:`norms` returns them, which makes that pass a rule's first pass: the front door screens
+        on them)."""
+        self.flat = x.dim() == 2
+        self.x = x if x.dim() == 3 else x[None]
+        i, j, k = self.x.shape
+        # (I, J) float64 squared norms, given or from the first pass
+        self.sq_norms = None if norms is None else norms.to(torch.float64).square().reshape(i, j)
+        self.blocks = column_blocks(self.x, "cached")  # read twice: the second time from cache
+
+    def norms(self) -> torch.Tensor:
+        """(n,) or (I, J) float64 norms of the points (:func:`row_norms`): one pass the first time unless
+        they were given or a call took them, then kept."""
+        if self.sq_norms is None:
+            self.sq_norms = row_norms(self.x).square()
+        out = self.sq_norms.sqrt()
+        return out[0] if self.flat else out
+
+    def __call__(
+        self,
+        w: torch.Tensor | None,
+        offset: torch.Tensor | None = None,
+        previous: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """z = offset + sum_j w_j x_j, the float64 squared distances ||x_j - z||^2 and ||z - previous||
+        (0 without ``previous``), in one pass. Shapes follow x: w (n,) or (I, J), or None for z = offset
+        (distances to a given point); offset, previous and ``out`` (a buffer for z, which must not be
+        ``previous``) (d,) or (I, K)."""
+        x = self.x
+        i, j, k = x.shape
+        like = dict(dtype=x.dtype, device=x.device)
+        w = None if w is None else w.reshape(i, j).to(x.dtype)
+        offset = None if offset is None else offset.reshape(i, k)
+        previous = None if previous is None else previous.reshape(i, k)
+        z = torch.empty(i, k, **like) if out is None else out.reshape(i, k)
+        parts = len(self.blocks)
+        dots, z_sq = torch.empty(parts, i, j, **like), torch.empty(parts, i, **like)
+        norms = torch.empty(parts, i, j, **like) if self.sq_norms is None else None
+        steps = torch.zeros(parts, **like)
+        for b, cols in enumerate(self.blocks):
+            c, zc = x[:, :, cols], z[:, cols]
+            if w is None:
+                zc.copy_(offset[:, cols])
+            elif i == 1:
+                torch.mv(c[0].T, w[0], out=zc[0])
+            else:
+                zc.copy_(torch.einsum("ijk,ij->ik", c, w))
+            if w is not None and offset is not None:
+                zc += offset[:, cols]
+            if i == 1:
+                torch.mv(c[0], zc[0], out=dots[b, 0])
+                torch.dot(zc[0], zc[0], out=z_sq[b, 0])
+            else:
+                torch.bmm(c, zc[:, :, None], out=dots[b, :, :, None])
+                torch.linalg.vector_norm(zc, dim=1, out=z_sq[b]).square_()
+            if norms is not None:
+                torch.linalg.vector_norm(c, dim=-1, out=norms[b])
+            if previous is not None:
+                steps[b] = torch.linalg.vector_norm(zc - previous[:, cols])
+        if norms is not None:
+            self.sq_norms = norms.to(torch.float64).square().sum(0)
+        dots, z_sq = dots.to(torch.float64).sum(0), z_sq.to(torch.float64).sum(0)[:, None]
+        sq = (self.sq_norms - 2 * dots + z_sq).clamp_min(0)
+        unresolved = sq < self.EXPANSION_FLOOR * (self.sq_norms + z_sq)
+        if unresolved.any():
+            exact = torch.zeros(i, j, dtype=torch.float64, device=x.device)
+            for cols in self.blocks:
+                diff = x[:, :, cols] - z[:, None, cols]
+                exact += torch.linalg.vector_norm(diff, dim=-1).to(torch.float64).square()
+            sq = torch.where(unresolved, exact, sq)
+        step = float(steps.to(torch.float64).square().sum().sqrt())
+        if self.flat:
+            return z[0], sq[0], step
+        return z, sq, step

@@ -1,0 +1,140 @@
+"""A simulation's evaluation step, pluggable: what the global model is scored on, and what a round leaves
+behind for scoring (FedAG's posterior).
+
+An evaluation is any object with
+
+    observe(t, vector, aggregate, members, chosen)  # after every round the server applied
+    __call__(t, vector) -> dict[str, float]         # the metrics recorded for round t
+    predictions(t, vector) -> (y, mu, sigma) | None # a regression run's final predictive, saved to disk
+
+``Simulation(evaluation=...)`` takes one; by default :func:`default_evaluation` picks
+:class:`TestSetMetrics` (accuracy, or RMSE for regression) or, for a regression run whose rule reports a
+posterior, :class:`FedAGPredictive` (NLL, CRPS, coverage and RMSE of the predictive distribution).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from fedtrust.aggregators import Aggregate
+from fedtrust.models import FlatModel
+from fedtrust.probabilistic import scoring_rules
+from fedtrust.probabilistic.posterior import (
+    GaussianPosterior,
+    bootstrap_predictive,
+    linear_predictive,
+    noise_precision,
+    omc_predictive,
+)
+from fedtrust.sim.federation import Federation
+from fedtrust.sim.seeding import stream
+from fedtrust.sim.settings import TrainSettings
+
+__all__ = ["Evaluation", "FedAGPredictive", "TestSetMetrics", "default_evaluation"]
+
+
+class Evaluation(Protocol):
+    def observe(
+        self, t: int, vector: torch.Tensor, aggregate: Aggregate, members: torch.Tensor, chosen: list[int]
+    ) -> None:
+        """Round ``t`` was applied: ``vector`` is the new global model, ``members`` the (n, d) client
+        models the round's updates lead to, ``chosen`` the federation's indices of those clients."""
+
+    def __call__(self, t: int, vector: torch.Tensor) -> dict[str, float]:
+        """The metrics of the global model ``vector`` after round ``t``."""
+
+    def predictions(self, t: int, vector: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """(y, mu, sigma) on the test set in the target's units, or None where the run has none."""
+
+
+class TestSetMetrics:
+    """The model's own metrics on the test set (accuracy and loss; RMSE and MSE in the target's units)."""
+
+    def __init__(self, model: FlatModel, federation: Federation):
+        self.model = model
+        self.data = federation.dataset
+
+    def observe(self, t, vector, aggregate, members, chosen) -> None:
+        pass
+
+    def __call__(self, t: int, vector: torch.Tensor) -> dict[str, float]:
+        data = self.data
+        metrics = self.model.evaluate(vector, data.x_test, data.y_test)
+        if data.num_classes is None and data.y_scale != 1.0:
+            metrics = {"rmse": metrics["rmse"] * data.y_scale, "mse": metrics["mse"] * data.y_scale**2}
+        return metrics
+
+    def predictions(self, t, vector) -> None:
+        return None
+
+
+class FedAGPredictive(TestSetMetrics):
+    """FedAG's predictive distribution (Thorgeirsson & Gauterin, papers/003): each applied round whose
+    rule reports ``posterior_var`` fits the Gaussian posterior N(global model, diag(posterior_var)) over
+    the round's client models with their trust (Algorithm 1, line 9); the test set is scored by the
+    predictive ``settings.predictive`` names: ``bootstrap`` (the client models as the ensemble, eqs 3-5),
+    ``omc`` (Monte Carlo draws from the posterior) or ``linear`` (closed form, eq 6), with the data noise
+    1/beta added when ``settings.predictive_noise``. Before the first posterior, the test-set metrics."""
+
+    def __init__(self, model: FlatModel, federation: Federation, settings: TrainSettings, seed: int):
+        super().__init__(model, federation)
+        self.federation = federation
+        self.settings = settings
+        self.seed = seed
+        self.posterior: GaussianPosterior | None = None
+        self._data: list = []  # the latest posterior's clients' training data, for the noise precision
+
+    def observe(self, t, vector, aggregate, members, chosen) -> None:
+        if "posterior_var" in aggregate.info and self.settings.mode != "gradient":
+            var = aggregate.info["posterior_var"].detach()
+            self.posterior = GaussianPosterior(vector, var, members, aggregate.weights.detach())
+            self._data = [self.federation.data[k] for k in chosen]
+
+    def predictive(self, t: int, vector: torch.Tensor, x: torch.Tensor):
+        """(mu, sigma) of the predictive distribution at ``x`` under the latest posterior (in the model's
+        standardised units), or None before the first."""
+        if self.posterior is None:
+            return None
+        s = self.settings
+        beta = (
+            noise_precision(self.model, vector, self._data)
+            if (s.predictive == "linear" or s.predictive_noise)
+            else None
+        )
+        noise = 1.0 / beta if s.predictive_noise else 0.0
+        if s.predictive == "linear":
+            return linear_predictive(self.posterior, x, beta)
+        if s.predictive == "omc":
+            return omc_predictive(
+                self.model, self.posterior, x, s.predictive_samples, stream(self.seed, "omc", t), noise
+            )
+        return bootstrap_predictive(self.model, self.posterior, x, noise)
+
+    def predictions(self, t: int, vector: torch.Tensor):
+        return self._scaled(t, vector, lambda sigma: sigma)
+
+    def __call__(self, t: int, vector: torch.Tensor) -> dict[str, float]:
+        scored = self._scaled(t, vector, lambda sigma: sigma.clamp_min(1e-12))
+        if scored is None:
+            return super().__call__(t, vector)
+        return scoring_rules.summary(*scored)
+
+    def _scaled(self, t, vector, floor):
+        """(y, mu, floor(sigma)) on the test set in the target's units, or None before the first posterior."""
+        out = self.predictive(t, vector, self.data.x_test)
+        if out is None:
+            return None
+        s, c = self.data.y_scale, self.data.y_shift
+        return self.data.y_test * s + c, out[0] * s + c, floor(out[1]) * s
+
+
+def default_evaluation(
+    model: FlatModel, federation: Federation, settings: TrainSettings, seed: int
+) -> Evaluation:
+    """FedAG's predictive scores for a regression run (they apply once a rule reports a posterior), the
+    test-set metrics otherwise."""
+    if federation.dataset.num_classes is None:
+        return FedAGPredictive(model, federation, settings, seed)
+    return TestSetMetrics(model, federation)
