@@ -42,8 +42,8 @@ RULES = [
     "norm_bounding", "dnc", "flame", "foolsgold", "fltrust", "nnm+median", "nnm+trimmed_mean",
     "bucketing+geometric_median",
 ]  # fmt: skip
-#: rules whose ``f`` option is set to the column's malicious share
-BUDGET = {"trimmed_mean", "krum", "multi_krum", "bulyan", "dnc", "nnm+median", "nnm+trimmed_mean"}
+#: rules whose ``f`` option is set to the column's malicious share (and pre-aggregators', in front of them)
+BUDGET = {"trimmed_mean", "krum", "multi_krum", "bulyan", "dnc", "nnm", "arc"}
 ATTACKS = {
     "clean": {"name": "none"},
     "label_flip": {"name": "label_flip"},
@@ -62,11 +62,16 @@ CLIENTS = 50
 
 
 def rule_block(name: str, fraction: float) -> dict:
-    block: dict = {"name": name}
-    if name in BUDGET:
-        block["f"] = min(fraction, 0.22) if name == "bulyan" else fraction
-    if name == "centered_clipping":
+    """A rule's config block: ``f`` (the column's malicious share) for the rule and the pre-aggregators
+    that take one (Bulyan at most 0.22: it needs n >= 4f + 3)."""
+    *pre, final = name.split("+")
+    block: dict = {"name": final}
+    if final in BUDGET:
+        block["f"] = min(fraction, 0.22) if final == "bulyan" else fraction
+    if final == "centered_clipping":
         block["tau"] = 1.0
+    if pre:
+        block["pre"] = [{"name": p, "f": fraction} if p in BUDGET else {"name": p} for p in pre]
     return block
 
 
@@ -150,6 +155,12 @@ def load_cache(path: Path) -> dict[str, dict]:
     return cache
 
 
+def asr_of(rows: list[dict]) -> float | None:
+    """The mean backdoor attack success rate of the finished runs, or None."""
+    asr = [r["backdoor_asr"] for r in rows if r.get("backdoor_asr") is not None and not r.get("failure")]
+    return statistics.mean(asr) if asr else None
+
+
 def cell(rows: list[dict]) -> tuple[str, float | None]:
     ok = [r["accuracy"] for r in rows if r.get("accuracy") is not None and not r.get("failure")]
     bad = len(rows) - len(ok)
@@ -157,9 +168,9 @@ def cell(rows: list[dict]) -> tuple[str, float | None]:
         return f"failed ({rows[0].get('error') or rows[0].get('failure')})"[:60] if rows else "-", None
     mean = statistics.mean(ok)
     text = f"{mean:.3f}" + (f" ± {statistics.stdev(ok):.3f}" if len(ok) > 1 else "")
-    asr = [r["backdoor_asr"] for r in rows if r.get("backdoor_asr") is not None]
-    if asr:
-        text += f" (ASR {statistics.mean(asr):.2f})"
+    asr = asr_of(rows)
+    if asr is not None:
+        text += f" (ASR {asr:.2f})"
     refused = sum(r.get("refused") or 0 for r in rows)
     if refused:
         text += f" [{refused} rounds refused]"
@@ -172,29 +183,37 @@ def report(args, results: dict, seconds: float) -> str:
     columns = [("clean", None)] + [(a, f) for f in FRACTIONS for a in args.attacks if a != "clean"]
     names = [a if f is None else f"{a} {int(f * 100)}%" for a, f in columns]
     means: dict[tuple[str, str], float | None] = {}
+    scores: dict[tuple[str, str], float] = {}  # accuracy, less the attack success rate under a backdoor
     lines = []
     for rule in args.rules:
         cells = []
         for (attack, fraction), name in zip(columns, names, strict=True):
-            text, mean = cell(results.get((rule, attack, fraction or FRACTIONS[0]), []))
+            rows = results.get((rule, attack, fraction or FRACTIONS[0]), [])
+            text, mean = cell(rows)
             means[rule, name] = mean
+            if mean is not None:
+                scores[rule, name] = mean - (asr_of(rows) or 0.0)
             cells.append(text)
         lines.append(f"| {rule} | " + " | ".join(cells) + " |")
     best = []
     for name in names:
-        scored = [(means[r, name], r) for r in args.rules if means[r, name] is not None]
+        scored = [(scores[r, name], r) for r in args.rules if (r, name) in scores]
         best.append(max(scored)[1] if scored else "-")
     clean = {r: means[r, "clean"] for r in args.rules}
-    worst = {
-        r: min((means[r, n] for n in names if means[r, n] is not None), default=None) for r in args.rules
-    }
-    within = [r for r in args.rules if clean[r] is not None and all(
-        means[r, n] is not None and means[r, n] >= clean[r] - 0.03 for n in names)]  # fmt: skip
+    reference = clean.get("fedavg")  # the mean on the clean federation: what an attack takes away from
+    # a rule's lowest score over the attacked columns (accuracy, less the ASR under a backdoor)
+    worst = {r: min((scores[r, n] for n in names[1:] if (r, n) in scores), default=None) for r in args.rules}
+    complete = [r for r in args.rules if clean[r] is not None and all((r, n) in scores for n in names)]
+    own = [r for r in complete if worst[r] >= clean[r] - 0.03]
+    ref = [r for r in complete if reference is not None and worst[r] >= reference - 0.03]
+    accurate = [r for r in complete if all(means[r, n] >= clean[r] - 0.03 for n in names)]  # ASR aside
+    runs = [row for rows in results.values() for row in rows]
     head = [
         f"# Robustness: {args.data}, {CLIENTS} clients, Dirichlet(0.5), {args.model}, {args.rounds} rounds",
         "",
         f"Final test accuracy, mean ± sd over {args.seeds} seed(s) (fedtrust source {args.code}; "
-        f"{seconds:.0f} s of runs computed now, the rest read from `runs.jsonl`).",
+        f"{len(runs)} runs, {sum(r.get('seconds') or 0 for r in runs):.0f} s of run time, "
+        f"{seconds:.0f} s of wall time computed by this command, the rest read from `runs.jsonl`).",
         "Command: `python experiments/robustness/run.py " + " ".join(args.argv) + "`",
         "",
         "| rule | " + " | ".join(names) + " |",
@@ -202,11 +221,20 @@ def report(args, results: dict, seconds: float) -> str:
         *lines,
         "| **best** | " + " | ".join(best) + " |",
         "",
-        "Worst column per rule (its lowest mean accuracy): "
-        + ", ".join(f"{r} {w:.3f}" for r, w in sorted(worst.items(), key=lambda kv: -(kv[1] or 0)) if w),
+        "Score: the mean accuracy; in the backdoor columns the accuracy less the attack success rate "
+        "(ASR: triggered test images of other classes classified as the target). Best: the highest score.",
         "",
-        "Rules within 3 points of their own clean accuracy in every column: "
-        + (", ".join(within) if within else "none"),
+        "Worst attacked column per rule (its lowest score; clean accuracy in brackets): "
+        + ", ".join(
+            f"{r} {w:.3f} ({clean[r]:.3f})"
+            for r, w in sorted(worst.items(), key=lambda kv: -(kv[1] or 0))
+            if w is not None and clean[r] is not None
+        ),
+        "",
+        "The issue's goal, every column within 3 points of clean accuracy: by accuracy alone (the "
+        + f"attack success rate aside): {', '.join(accurate) or 'none'}; by score, of the rule's own clean "
+        + f"accuracy: {', '.join(own) or 'none'}"
+        + (f"; of FedAvg's ({reference:.3f}): {', '.join(ref) or 'none'}." if reference is not None else "."),
         "",
     ]
     return "\n".join(head)
@@ -220,26 +248,38 @@ def heatmap(args, results: dict, path: Path) -> None:
     import numpy as np
 
     columns = [("clean", FRACTIONS[0])] + [(a, f) for f in FRACTIONS for a in args.attacks if a != "clean"]
-    grid = np.full((len(args.rules), len(columns)), np.nan)
+    grid = np.full((len(args.rules), len(columns)), np.nan)  # the score: accuracy, less ASR under a backdoor
+    labels = {}
     for i, rule in enumerate(args.rules):
         for j, (attack, fraction) in enumerate(columns):
-            _, mean = cell(results.get((rule, attack, fraction), []))
-            grid[i, j] = np.nan if mean is None else mean
+            rows = results.get((rule, attack, fraction), [])
+            _, mean = cell(rows)
+            if mean is None:
+                continue
+            asr = asr_of(rows)
+            grid[i, j] = mean - (asr or 0.0)
+            labels[i, j] = short(mean) + ("" if asr is None else f"\n{short(asr)}")
     fig, ax = plt.subplots(figsize=(1.0 + 0.55 * len(columns), 0.9 + 0.32 * len(args.rules)))
     im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(columns)), [a if a == "clean" else f"{a} {int(f * 100)}%" for a, f in columns],
                   rotation=60, ha="right", fontsize=8)  # fmt: skip
     ax.set_yticks(range(len(args.rules)), args.rules, fontsize=8)
-    for i in range(grid.shape[0]):
-        for j in range(grid.shape[1]):
-            if not np.isnan(grid[i, j]):
-                ax.text(j, i, f"{grid[i, j]:.2f}"[1:], ha="center", va="center", fontsize=6,
-                        color="white" if grid[i, j] < 0.6 else "black")  # fmt: skip
-    fig.colorbar(im, ax=ax, label="final test accuracy")
-    ax.set_title(f"{args.data}: final accuracy, mean over {args.seeds} seed(s)", fontsize=9)
+    for (i, j), text in labels.items():
+        ax.text(j, i, text, ha="center", va="center", fontsize=6 if "\n" not in text else 5,
+                color="white" if grid[i, j] < 0.6 else "black")  # fmt: skip
+    fig.colorbar(im, ax=ax, label="score: test accuracy (less ASR under the backdoor)")
+    ax.set_title(f"{args.data}: final accuracy, mean over {args.seeds} seed(s); backdoor cells: accuracy "
+                 "over attack success rate, coloured by their difference", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=130)
+    fig.savefig(path.with_suffix(".pdf"))
     plt.close(fig)
+
+
+def short(x: float) -> str:
+    """Two decimals without the leading zero (.87, 1.00, -.12): a heatmap cell's label."""
+    text = f"{x:.2f}"
+    return text.replace("0.", ".", 1) if abs(x) < 1 else text
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -252,11 +292,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attacks", nargs="*", default=list(ATTACKS), choices=list(ATTACKS))
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--force", action="store_true", help="recompute cached runs")
+    parser.add_argument(
+        "--out",
+        default=str(REPORTS),
+        help="directory of the run cache and the reports (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--source",
+        help="with --cached-only: report the cached runs of this source hash (not this checkout's)",
+    )
+    parser.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="compute nothing: write the report from cached runs ('-' where none)",
+    )
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
-    args.code = source_hash()
-    REPORTS.mkdir(parents=True, exist_ok=True)
-    cache_path = REPORTS / "runs.jsonl"
+    args.code = args.source or source_hash()
+    if args.source and not args.cached_only:
+        parser.error("--source names the code that computed cached runs: use it with --cached-only")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cache_path = out_dir / "runs.jsonl"
     cache = {} if args.force else load_cache(cache_path)
 
     todo, results = [], {}
@@ -271,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
                     else:
                         todo.append((rule, attack, fraction, seed, cfg, k))
     print(f"{len(todo)} runs to compute, {sum(map(len, results.values()))} cached", flush=True)
+    if args.cached_only:
+        todo = []
     began = time.perf_counter()
     with ProcessPoolExecutor(args.jobs) as pool, cache_path.open("a") as out:
         futures = {pool.submit(run_one, job[4]): job for job in todo}
@@ -285,8 +344,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{done}/{len(todo)} runs, {time.perf_counter() - began:.0f} s", flush=True)
     seconds = time.perf_counter() - began
     text = report(args, results, seconds)
-    (REPORTS / f"{args.data}.md").write_text(text)
-    heatmap(args, results, REPORTS / f"{args.data}.png")
+    (out_dir / f"{args.data}.md").write_text(text)
+    heatmap(args, results, out_dir / f"{args.data}.png")
     print(text)
 
 
