@@ -29,6 +29,7 @@ test-cpus: $(STAMP)
 bench: $(STAMP) fashion-mnist
 	$(BIN)/python -m pip install --quiet --no-deps byzfl==0.0.11
 	$(BIN)/python benchmarks/aggregation.py
+	$(BIN)/python benchmarks/attacks.py
 	$(BIN)/python benchmarks/simulation.py
 
 # Nguyen et al.'s experiments (Table 1 synthetic + Figure 1 variants, one-round adversaries); reports
