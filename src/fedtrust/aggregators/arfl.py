@@ -149,7 +149,7 @@ class ARFL(BaseRule):
             for cid in ids if self.fresh else unseen:
                 self._loss[cid], self._samples[cid] = new[cid]
         table, p, lam, alpha_all, losses, samples = self._alpha()
-        alpha = torch.tensor([table[cid] for cid in ids], dtype=torch.float64)
+        alpha = torch.tensor([table[cid] for cid in ids], dtype=torch.float64, device=round.updates.device)
         objective = arfl_objective(alpha_all, losses, samples, lam)
         for cid in ids:  # the paper's order: this round's losses count from the next round on
             self._loss[cid], self._samples[cid] = new[cid]

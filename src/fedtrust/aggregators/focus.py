@@ -86,9 +86,10 @@ class FOCUS(BaseRule):
         ll = defend(self.defence, round, round.metrics["train_loss"])
         if self.reduction == "sum":
             ll = ll * n
-        known = torch.tensor([cid in self._ls for cid in round.client_ids])
+        on = round.updates.device
+        known = torch.tensor([cid in self._ls for cid in round.client_ids], device=on)
         ls_prev = torch.tensor(
-            [self._ls.get(cid, float("nan")) for cid in round.client_ids], dtype=torch.float64
+            [self._ls.get(cid, float("nan")) for cid in round.client_ids], dtype=torch.float64, device=on
         )
         e = ls_prev + ll
         groups = (
@@ -97,7 +98,7 @@ class FOCUS(BaseRule):
         # one source per group: its members' mean E (over those known) and mean count
         e_g, n_g = groups.pool(torch.where(known, e, math.nan)), groups.pool(n)
         known_g = ~torch.isnan(e_g) if not groups.trivial else known
-        cred_g = torch.ones(groups.count, dtype=torch.float64)
+        cred_g = torch.ones(groups.count, dtype=torch.float64, device=on)
         if known_g.any():
             cred_g[known_g] = credibility(e_g[known_g], self.alpha)
             cred_g[~known_g] = cred_g[known_g].mean()

@@ -29,7 +29,9 @@ def reference_losses(round: Round) -> torch.Tensor:
     """Each client's update scored on the server's trusted split."""
     if round.reference is None:
         raise ValueError("this defence needs Round.reference: a trusted benchmark split on the server")
-    return torch.tensor([float(round.reference(u)) for u in round.updates], dtype=torch.float64)
+    return torch.tensor(
+        [float(round.reference(u)) for u in round.updates], dtype=torch.float64, device=round.updates.device
+    )
 
 
 def defend(defence: str, round: Round, reported: torch.Tensor) -> torch.Tensor:

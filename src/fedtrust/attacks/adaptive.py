@@ -204,13 +204,13 @@ class FangTrimmedMean(Knowing):
             b = self.b
             low = torch.where(up, torch.where(w_min > 0, w_min / b, b * w_min), w_max)
             high = torch.where(up, w_min, torch.where(w_max > 0, b * w_max, w_max / b))
-        u = torch.rand((ctx.num_bad, len(mu)), generator=ctx.generator, dtype=mu.dtype)
+        u = ctx.draw((ctx.num_bad, len(mu)), uniform=True, dtype=mu.dtype)
         return low + u * (high - low)
 
 
 def column_extremes(x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The coordinate-wise minimum and maximum over the rows ``rows`` of ``x``, column block by block."""
-    low, high = torch.empty(x.shape[1], dtype=x.dtype), torch.empty(x.shape[1], dtype=x.dtype)
+    low, high = (torch.empty(x.shape[1], dtype=x.dtype, device=x.device) for _ in range(2))
     for cols in column_blocks(x, "stream"):
         low[cols], high[cols] = torch.aminmax(x[:, cols].index_select(0, rows), dim=0)
     return low, high

@@ -63,6 +63,17 @@ class AttackContext:
     def num_bad(self) -> int:
         return int(self.bad.sum())
 
+    def draw(
+        self, shape: tuple[int, ...], uniform: bool = False, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Standard normal (or, ``uniform``, U[0, 1)) numbers in ``dtype`` (default: the updates') from
+        the attack's generator, drawn where the generator lives and moved to the updates' device: the
+        same draws on every device."""
+        sample = torch.rand if uniform else torch.randn
+        dtype = dtype or self.updates.dtype
+        x = sample(shape, generator=self.generator, dtype=dtype, device=self.generator.device)
+        return x.to(self.updates.device)
+
     def rows(self, knowledge: str) -> torch.Tensor:
         """Positions of the honest updates an attacker with this ``knowledge`` sees: the benign clients'
         (or, in a round without any, every client's) when omniscient; its own clients' when partial."""

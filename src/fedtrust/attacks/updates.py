@@ -34,7 +34,7 @@ class Gaussian:
 
     def __call__(self, ctx: AttackContext) -> torch.Tensor:
         own = ctx.own
-        noise = self.std * torch.randn(own.shape, generator=ctx.generator, dtype=own.dtype)
+        noise = self.std * ctx.draw(own.shape)
         if self.of == "params" and ctx.mode == "params":
             return noise - ctx.global_vector
         return noise
@@ -49,7 +49,7 @@ class RandomUpdate:
 
     def __call__(self, ctx: AttackContext) -> torch.Tensor:
         own = ctx.own
-        direction = torch.randn(own.shape, generator=ctx.generator, dtype=own.dtype)
+        direction = ctx.draw(own.shape)
         direction /= direction.norm(dim=1, keepdim=True).clamp_min(1e-12)
         return self.scale * own.norm(dim=1, keepdim=True) * direction
 

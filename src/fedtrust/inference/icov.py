@@ -24,14 +24,15 @@ from fedtrust.inference.tasks import TaskGram, as_tasks, mean_noise, weighted_su
 LOG2PI = math.log(2 * math.pi)
 
 
-def latent_init(keys, dim: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+def latent_init(keys, dim: int, seed: int, scale: float | torch.Tensor = 1.0, device=None) -> torch.Tensor:
     """(J, D) N(0, scale^2) starting factors, each row drawn from its own key (a source id), so a source
-    gets the same start whichever other sources are present."""
+    gets the same start whichever other sources are present (drawn on the CPU, then moved to ``device``:
+    the same start on every device)."""
     rows = []
     for key in keys:
         g = torch.Generator().manual_seed((zlib.crc32(str(key).encode()) << 16) ^ seed)
         rows.append(torch.randn(dim, generator=g, dtype=torch.float64))
-    return scale * torch.stack(rows)
+    return scale * torch.stack(rows).to(device or "cpu")
 
 
 def centre_loadings(
@@ -247,19 +248,18 @@ def icov_mle(
     tol = resolve_tol(tol, t.x.dtype)
     keys = list(range(sources)) if source_keys is None else list(source_keys)
     init = init or {}
-    noise = torch.as_tensor(
-        init["noise"] if "noise" in init else mean_noise(t, gram), dtype=torch.float64
-    ).clone()
+    on = {"dtype": torch.float64, "device": t.x.device}
+    noise = torch.as_tensor(init["noise"] if "noise" in init else mean_noise(t, gram), **on).clone()
     v = (
-        torch.as_tensor(init["V"], dtype=torch.float64).clone()
+        torch.as_tensor(init["V"], **on).clone()
         if "V" in init
-        else latent_init(keys, latent_dim, seed)
+        else latent_init(keys, latent_dim, seed, device=t.x.device)
     )
     sigma_u2 = float(init.get("sigma_u2", 0.1 * float(noise.median())))
     theta = {
         "V": v.requires_grad_(),
         "log_noise": noise.log().requires_grad_(),
-        "log_su2": torch.tensor(math.log(sigma_u2), dtype=torch.float64, requires_grad=True),
+        "log_su2": torch.tensor(math.log(sigma_u2), **on, requires_grad=True),
     }
     all_mask = t.mask if past is None else torch.cat([t.mask, past.mask])
     total = float(all_mask.sum()) * k
@@ -306,7 +306,8 @@ def _phi(theta) -> torch.Tensor:
     numerically positive definite however small a sigma_j^2 gets (e.g. warm-started from a collapse)."""
     v = theta["V"]
     phi = theta["log_su2"].exp() * v @ v.T + torch.diag(theta["log_noise"].exp())
-    return phi + 1e-10 * phi.diagonal().mean().detach() * torch.eye(len(phi), dtype=phi.dtype)
+    eye = torch.eye(len(phi), dtype=phi.dtype, device=phi.device)
+    return phi + 1e-10 * phi.diagonal().mean().detach() * eye
 
 
 def _gradient(theta, g):
@@ -340,7 +341,7 @@ class _CovarianceFit:
         if not ok:  # a line-search probe overshot (Phi overflowed): a large finite loss sends it back
             for value in theta.values():
                 value.grad = torch.zeros_like(value)
-            return torch.tensor(1e20, dtype=torch.float64)
+            return torch.tensor(1e20, dtype=torch.float64, device=self.s.device)
         for name, value in theta.items():
             value.grad = -grad[name] / self.total
         return -ll / self.total
@@ -551,23 +552,22 @@ class _VbSweep:
         t, m, d = self.t, self.m, self.d
         tasks, sources, k = t.shape
         start = mean_noise(t, self.gram)
+        on = {"dtype": torch.float64, "device": t.x.device}
         if "noise" in init:
-            given = torch.as_tensor(init["noise"], dtype=torch.float64).clone()
+            given = torch.as_tensor(init["noise"], **on).clone()
             start = torch.where(torch.isnan(given), start, given)
         s2 = start if self.noise == "per_source" else torch.full_like(start, float(start.mean()))
         plain_sq = float(self.gram.sq_norm(m / m.sum(1, keepdim=True)).sum()) / (tasks * k)
         sy2 = float(init.get("sigma_y2", plain_sq + float(s2.mean())))
         su2 = float(init.get("sigma_u2", 1.0))
-        sv2 = (
-            torch.as_tensor(init.get("sigma_v2", float(s2.mean()) / d), dtype=torch.float64).expand(d).clone()
-        )
+        sv2 = torch.as_tensor(init.get("sigma_v2", float(s2.mean()) / d), **on).expand(d).clone()
         v = (
-            torch.as_tensor(init["V"], dtype=torch.float64).clone()
+            torch.as_tensor(init["V"], **on).clone()
             if "V" in init
-            else latent_init(keys, d, seed, sv2.sqrt())
+            else latent_init(keys, d, seed, sv2.sqrt(), t.x.device)
         )
         psi = (
-            torch.as_tensor(init["Psi"], dtype=torch.float64).clone()
+            torch.as_tensor(init["Psi"], **on).clone()
             if "Psi" in init
             else torch.diag(sv2).expand(sources, d, d).clone()
         )

@@ -249,12 +249,14 @@ def _em(t, gram, noise, tau2: float | None, past: IvarPast, max_iter: int, tol: 
             ysq = gram.sq_norm(weights) / k
             tau2 = float(((lam + ysq).sum() + past.tau_total) / tau_count)  # (12)
             energy = _ivar_free_energy(lam, ysq, spread, noise, tau2, count, tau_count, past)
-        log_tau2 = torch.tensor([0.0 if flat else math.log(tau2)], dtype=noise.dtype)
+        log_tau2 = torch.tensor([0.0 if flat else math.log(tau2)], dtype=noise.dtype, device=noise.device)
         state = torch.cat([noise.log(), log_tau2])
         return Step(state, weights, energy / float(count.sum() + (0.0 if flat else tau_count)),
                     (lam, ysq, spread, noise, tau2, weights))  # fmt: skip
 
-    start = torch.cat([noise.log(), torch.tensor([0.0 if flat else math.log(tau2)], dtype=noise.dtype)])
+    start = torch.cat(
+        [noise.log(), torch.tensor([0.0 if flat else math.log(tau2)], dtype=noise.dtype, device=noise.device)]
+    )
     return squarem(update, start, max_iter, tol)
 
 

@@ -97,7 +97,9 @@ def _start(groups: Groups, members: list, fresh: torch.Tensor) -> torch.Tensor:
     """Each representative's starting value (latent factors): the mean of its members' that are known
     (``members``, None where a client is new), else ``fresh[g]``, the representative's own fresh start."""
     unknown = torch.full_like(fresh[0], math.nan)
-    pooled = groups.pool(torch.stack([unknown if m is None else torch.as_tensor(m) for m in members]))
+    pooled = groups.pool(
+        torch.stack([unknown if m is None else torch.as_tensor(m, device=fresh.device) for m in members])
+    )
     missing = torch.isnan(pooled.reshape(groups.count, -1)).any(1)
     return torch.where(missing.reshape(-1, *([1] * (pooled.dim() - 1))), fresh, pooled)
 
@@ -277,8 +279,10 @@ class _WindowRule(BaseRule):
         self._clients = state.get("clients", {})
         self._shared = state.get("shared", {})
 
-    def _known(self, ids, key: str) -> torch.Tensor:
-        return torch.tensor([self._clients.get(i, {}).get(key, math.nan) for i in ids], dtype=torch.float64)
+    def _known(self, ids, key: str, device: torch.device) -> torch.Tensor:
+        return torch.tensor(
+            [self._clients.get(i, {}).get(key, math.nan) for i in ids], dtype=torch.float64, device=device
+        )
 
 
 class IvarMLE(_WindowRule):
@@ -303,12 +307,12 @@ class IvarMLE(_WindowRule):
 
     def _estimate(self, round: Round, groups: Groups, fit_round: Round, task: Tasks) -> Aggregate:
         ids = round.client_ids
+        on = {"dtype": torch.float64, "device": round.updates.device}
         past = IvarPast(
-            groups.pool(torch.tensor([sum(h.get(i, 0.0) for h in self._history) for i in ids],
-                                     dtype=torch.float64)),
-            groups.pool(torch.tensor([sum(i in h for h in self._history) for i in ids], dtype=torch.float64)),
-        )  # fmt: skip
-        init_noise = groups.pool(self._known(ids, "noise"))
+            groups.pool(torch.tensor([sum(h.get(i, 0.0) for h in self._history) for i in ids], **on)),
+            groups.pool(torch.tensor([sum(i in h for h in self._history) for i in ids], **on)),
+        )
+        init_noise = groups.pool(self._known(ids, "noise", round.updates.device))
         res = self._fit(task, ivar_mle, max_iter=self.max_iter, tol=self.tol,
                         eps=self.eps, init_noise=init_noise, past=past)  # fmt: skip
         self._history.append(dict(zip(ids, groups.expand(res.past.total).tolist(), strict=True)))
@@ -338,15 +342,17 @@ class IvarVB(_WindowRule):
         ids = round.client_ids
         totals = [sum(h["clients"].get(i, 0.0) for h in self._history) for i in ids]
         counts = [sum(i in h["clients"] for h in self._history) for i in ids]
+        on = {"dtype": torch.float64, "device": round.updates.device}
         past = IvarPast(
-            groups.pool(torch.tensor(totals, dtype=torch.float64)),
-            groups.pool(torch.tensor(counts, dtype=torch.float64)),
+            groups.pool(torch.tensor(totals, **on)),
+            groups.pool(torch.tensor(counts, **on)),
             sum(h["tau"] for h in self._history),
             float(len(self._history)),
         )  # fmt: skip
         res = self._fit(
             task, ivar_vb, max_iter=self.max_iter, tol=self.tol,
-            init_noise=groups.pool(self._known(ids, "noise")), tau2=self._shared.get("tau2"), past=past,
+            init_noise=groups.pool(self._known(ids, "noise", round.updates.device)),
+            tau2=self._shared.get("tau2"), past=past,
         )  # fmt: skip
         self._history.append(
             {
@@ -362,11 +368,13 @@ class IvarVB(_WindowRule):
         )
 
 
-def _embed(ids, entry_ids, rows: torch.Tensor | None = None):
-    """Positions of a past round's clients among this round's (mask), and its per-client rows re-indexed."""
+def _embed(ids, entry_ids, rows: torch.Tensor | None = None, device: torch.device | None = None):
+    """Positions of a past round's clients among this round's (mask), and its per-client rows re-indexed
+    (on ``rows``' device, or ``device``)."""
     where = {c: k for k, c in enumerate(entry_ids)}
-    mask = torch.tensor([i in where for i in ids], dtype=torch.bool)
-    index = torch.tensor([where.get(i, 0) for i in ids], dtype=torch.long)
+    device = rows.device if rows is not None else device
+    mask = torch.tensor([i in where for i in ids], dtype=torch.bool, device=device)
+    index = torch.tensor([where.get(i, 0) for i in ids], dtype=torch.long, device=device)
     if rows is None:
         return mask, index
     return mask, rows[index] * mask.reshape(-1, *([1] * (rows.dim() - 1))).to(rows.dtype)
@@ -407,18 +415,18 @@ class IcovMLE(_WindowRule):
         ids = round.client_ids
         masks, grams = [], []
         for entry in self._history:
-            gram = entry["gram"]
-            mask, index = _embed(ids, entry["ids"])
+            gram = entry["gram"].to(round.updates.device)
+            mask, index = _embed(ids, entry["ids"], device=gram.device)
             gram = gram[index][:, index] * (mask[:, None] & mask[None, :]).to(gram.dtype)
             if not groups.trivial:  # a representative's residual: the mean of its present members'
-                pool = groups.pooling(mask).to(gram.dtype)
+                pool = groups.pooling(mask).to(gram)
                 mask, gram = pool.sum(1) > 0, pool @ gram @ pool.T
             masks.append(mask)
             grams.append(gram)
         past = IcovMlePast(torch.stack(masks), torch.stack(grams)) if masks else None
-        fresh = latent_init(fit_round.client_ids, self.latent_dim, self.seed)
+        fresh = latent_init(fit_round.client_ids, self.latent_dim, self.seed, device=round.updates.device)
         v = _start(groups, [self._clients.get(i, {}).get("v") for i in ids], fresh)
-        init = {"V": v, "noise": groups.pool(self._known(ids, "noise"))}
+        init = {"V": v, "noise": groups.pool(self._known(ids, "noise", round.updates.device))}
         if "sigma_u2" in self._shared:
             init["sigma_u2"] = self._shared["sigma_u2"]
         if torch.isnan(init["noise"]).any():
@@ -498,21 +506,24 @@ class IcovVB(_WindowRule):
         ids = round.client_ids
         d = self.latent_dim
         past = None
+        on = round.updates.device  # a checkpoint's history may come from another device
         for entry in self._history:
-            mask, b = _embed(ids, entry["ids"], entry["b"])
-            _, c = _embed(ids, entry["ids"], entry["c"])
+            mask, b = _embed(ids, entry["ids"], entry["b"].to(on))
+            _, c = _embed(ids, entry["ids"], entry["c"].to(on))
             if not groups.trivial:  # a representative's statistics: the mean of its present members'
-                pool = groups.pooling(mask).to(b.dtype)
+                pool = groups.pooling(mask).to(b)
                 mask, b, c = pool.sum(1) > 0, pool @ b, pool @ c
-            a = entry["A"]
+            a = entry["A"].to(on)
             terms = torch.tensor([[entry["yterm"]], [entry["uterm"]]], dtype=a.dtype, device=a.device)
             piece = IcovVbPast(mask[None], a[None], b[None], c[None], terms[0], terms[1], entry["k"])
             past = piece if past is None else past.cat(piece)
         init = dict(self._shared)
-        init["noise"] = groups.pool(self._known(ids, "noise"))
+        init["noise"] = groups.pool(self._known(ids, "noise", round.updates.device))
         if any(i in self._clients for i in ids):
-            scale = torch.as_tensor(self._shared.get("sigma_v2", 1.0), dtype=torch.float64).expand(d)
-            fresh = latent_init(fit_round.client_ids, d, self.seed, scale.sqrt())
+            scale = torch.as_tensor(
+                self._shared.get("sigma_v2", 1.0), dtype=torch.float64, device=round.updates.device
+            ).expand(d)
+            fresh = latent_init(fit_round.client_ids, d, self.seed, scale.sqrt(), round.updates.device)
             eye = torch.diag(scale).expand(groups.count, d, d)
             known = [self._clients.get(i) for i in ids]
             init["V"] = _start(groups, [None if k is None else k["v"] for k in known], fresh)

@@ -27,7 +27,8 @@ class GaussianPosterior:
 
     def sample(self, m: int, g: torch.Generator) -> torch.Tensor:
         """(m, d) weight sets drawn from N(mean, diag(var))."""
-        eps = torch.randn(m, len(self.mean), generator=g, dtype=self.mean.dtype)
+        eps = torch.randn(m, len(self.mean), generator=g, dtype=self.mean.dtype, device=g.device)
+        eps = eps.to(self.mean.device)  # drawn where the generator lives: the same draws on every device
         return self.mean + eps * self.var.clamp_min(0).sqrt()
 
 
@@ -39,7 +40,7 @@ def fit_posterior(
     sigma^2 = sum_k w_k (x_k - mu)^2. ``mean`` overrides mu (e.g. a robust rule's aggregate)."""
     n = models.shape[0]
     w = (
-        torch.full((n,), 1.0 / n, dtype=models.dtype)
+        torch.full((n,), 1.0 / n, dtype=models.dtype, device=models.device)
         if weights is None
         else (weights / weights.sum()).to(models.dtype)
     )

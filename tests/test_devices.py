@@ -1,0 +1,155 @@
+"""Every rule on a device that is not the CPU (issue 20), checked without a GPU: the emulated device of
+``elsewhere.py`` fails any operation that mixes it with CPU tensors, as CUDA does. A rule must take the
+round there, compute there and return its aggregate and weights there, in the round's dtype, equal to
+its CPU result to float rounding, across rounds (stateful rules keep their state between them)."""
+
+import pytest
+import torch
+from conftest import dtype_tol
+from elsewhere import Elsewhere, elsewhere, on_host, to_elsewhere
+from test_rule_properties import ALL, OPTIONS, make, random_round
+
+import fedtrust.inference as inference
+from fedtrust import Round, rule
+from fedtrust.attacks import ATTACKS, AttackContext, attack
+from fedtrust.probabilistic.posterior import fit_posterior
+
+#: options that take a rule down its other paths (the loss defences read the server's benchmark)
+VARIANTS = {
+    "arfl": [{"defence": "benchmark"}],
+    "focus": [{"defence": "benchmark"}, {"sybils": "off"}],
+    "ivar_mle": [{"sybils": "off"}],
+    "icov_vb": [{"sybils": "off"}],
+}
+CASES = [(name, {}) for name in ALL] + [(name, o) for name, opts in VARIANTS.items() for o in opts]
+
+
+def there(r: Round) -> Round:
+    """The same round on the emulated device (call under ``elsewhere()``)."""
+    return Round(
+        updates=to_elsewhere(r.updates),
+        client_ids=r.client_ids,
+        num_samples=to_elsewhere(r.num_samples),
+        metrics=to_elsewhere(dict(r.metrics)),
+        reference=r.reference,
+        previous=None if r.previous is None else to_elsewhere(r.previous),
+    )
+
+
+def rounds(dtype, copies: bool = False):
+    """Three rounds of one federation; the last with a group of three sending one vector (the sybil
+    grouping's path) when ``copies``."""
+    for seed in range(3):
+        r = random_round(seed, dtype=dtype, previous=True)
+        if copies and seed == 2:
+            x = r.updates.clone()
+            x[-3:] = x[-1]
+            r = Round(x, r.client_ids, r.num_samples, r.metrics, r.reference, r.previous)
+        yield r
+
+
+def build(name, options):
+    return rule(name, **{**OPTIONS.get(name, {}), **options})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize(("name", "options"), CASES, ids=[f"{n}{o or ''}" for n, o in CASES])
+def test_rule_computes_on_the_rounds_device(name, options, dtype):
+    on_cpu, on_device = build(name, options), build(name, options)
+    for r in rounds(dtype, copies=True):
+        expected = on_cpu(r)
+        with elsewhere():
+            out = on_device(there(r))
+        assert isinstance(out.vector, Elsewhere) and isinstance(out.weights, Elsewhere)
+        assert out.vector.dtype == dtype and out.weights.dtype == dtype
+        # float64 rules iterate to a stopping rule: the device's torch path may stop a step apart
+        tol = dtype_tol(dtype, factor=1e3 if name.startswith("icov") else 10.0)
+        torch.testing.assert_close(on_host(out.vector), expected.vector, **tol)
+        torch.testing.assert_close(on_host(out.weights), expected.weights, **tol)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_rule_takes_non_contiguous_float32_updates(name):
+    """A transposed view (clients along columns in memory) gives the contiguous result."""
+    r = random_round(5, dtype=torch.float32, previous=True)
+    strided = r.updates.T.contiguous().T
+    assert not strided.is_contiguous()
+    a = make(name)(r)
+    b = make(name)(Round(strided, r.client_ids, r.num_samples, r.metrics, r.reference, r.previous))
+    torch.testing.assert_close(b.vector, a.vector, **dtype_tol(torch.float32, factor=10.0))
+    torch.testing.assert_close(b.weights, a.weights, **dtype_tol(torch.float32, factor=10.0))
+
+
+def test_the_emulated_device_catches_a_mix_as_cuda_would():
+    """The harness itself: a CPU tensor of one or more dimensions mixed into the device's computation
+    fails; 0-dim CPU scalars and CPU index tensors pass, as on CUDA; scalars read are counted."""
+    x = to_elsewhere(torch.ones(4, 3))
+    with elsewhere() as host:
+        with pytest.raises(RuntimeError, match="same device"):
+            x + torch.ones(3)
+        assert isinstance(x * torch.tensor(2.0), Elsewhere)
+        assert isinstance(x[torch.tensor([0, 2])], Elsewhere)
+        assert isinstance(torch.zeros(2, device=x.device), Elsewhere)
+        assert isinstance(torch.tensor([1.0, 2.0], device=x.device), Elsewhere)
+        assert float(x.sum()) == 12.0 and x.tolist()[0] == [1.0, 1.0, 1.0]
+        with pytest.raises(TypeError, match="numpy"):
+            x.numpy()
+    assert host.syncs == 2
+
+
+# ------------------------------------------------------------------ attacks, estimators, FedAG
+
+
+def attack_context(x, bad, g):
+    def oracle(m):
+        return rule("median")(Round(m)).vector
+
+    return AttackContext(
+        x, bad, torch.zeros(x.shape[1], dtype=x.dtype, device=x.device), "params", g, 1, oracle
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_attack_crafts_on_the_rounds_device(name):
+    """Same malicious rows on the device as on the CPU: random draws come from the attack's generator
+    where it lives (the CPU) and are moved, so a seed means the same attack everywhere."""
+    options = {"mimic": {"target": 0}}.get(name, {})
+    x = torch.randn(12, 20, generator=torch.Generator().manual_seed(0), dtype=torch.float32) + 0.3
+    bad = torch.tensor([True] * 3 + [False] * 9)
+    expected = attack(name, **options)(attack_context(x, bad, torch.Generator().manual_seed(1)))
+    with elsewhere():
+        ctx = attack_context(to_elsewhere(x), to_elsewhere(bad), torch.Generator().manual_seed(1))
+        sent = attack(name, **options)(ctx)
+    assert isinstance(sent, Elsewhere) and sent.dtype == x.dtype
+    torch.testing.assert_close(on_host(sent), expected, equal_nan=True, **dtype_tol(torch.float32, 10.0))
+
+
+@pytest.mark.parametrize("method", ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"])
+def test_estimator_runs_on_the_tables_device(method):
+    """The estimators on a (tasks, sources, K) table with missing entries, on the device."""
+    g = torch.Generator().manual_seed(3)
+    truth = torch.randn(6, 1, 4, generator=g, dtype=torch.float64)
+    noise = torch.tensor([0.1, 0.2, 0.5, 1.0, 2.0], dtype=torch.float64)[None, :, None]
+    x = truth + noise.sqrt() * torch.randn(6, 5, 4, generator=g, dtype=torch.float64)
+    mask = torch.ones(6, 5, dtype=torch.bool)
+    mask[0, 4] = mask[3, 1] = False
+    fit = getattr(inference, method)
+    expected = fit(x, mask)
+    with elsewhere():
+        res = fit(to_elsewhere(x), to_elsewhere(mask))
+    assert isinstance(res.consensus, Elsewhere) and isinstance(res.weights, Elsewhere)
+    tol = dtype_tol(torch.float64, 1e3 if method.startswith("icov") else 10.0)
+    torch.testing.assert_close(on_host(res.consensus), expected.consensus, **tol)
+    torch.testing.assert_close(on_host(res.noise), expected.noise, **tol)
+
+
+def test_fedag_posterior_and_its_samples_stay_on_the_device():
+    models = torch.randn(8, 30, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    expected = fit_posterior(models)
+    draws = expected.sample(5, torch.Generator().manual_seed(1))
+    with elsewhere():
+        post = fit_posterior(to_elsewhere(models))
+        sampled = post.sample(5, torch.Generator().manual_seed(1))
+    assert isinstance(post.mean, Elsewhere) and isinstance(sampled, Elsewhere)
+    torch.testing.assert_close(on_host(post.var), expected.var)
+    torch.testing.assert_close(on_host(sampled), draws)
