@@ -35,13 +35,20 @@ from aggregation import machine  # noqa: E402
 MODELS = {"softmax": {"name": "softmax"}, "mlp": {"name": "mlp", "hidden": 200}}
 
 
-def spec(data: str, model: str, clients: int, rounds: int) -> dict:
+def spec(data: str, model: str, clients: int, rounds: int, device: str = "cpu") -> dict:
     return {
         "name": "bench-simulation",
         "seed": 0,
         "data": {"name": data, "clients": clients, "partition": {"name": "iid"}},
         "model": MODELS[model],
-        "train": {"rounds": rounds, "fraction": 1.0, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+        "train": {
+            "rounds": rounds,
+            "fraction": 1.0,
+            "local_epochs": 1,
+            "batch_size": 32,
+            "lr": 0.05,
+            "device": device,
+        },  # fmt: skip
         "rule": {"name": "fedavg"},
     }
 
@@ -56,9 +63,11 @@ def run_fedtrust(raw: dict, executor: str, min_seconds: float) -> tuple[float, t
     while t < sim.rounds or ends[-1] - ends[0] < min_seconds:
         t += 1
         sim.step(t)
+        if sim.device.type == "cuda":
+            torch.cuda.synchronize(sim.device)
         ends.append(time.perf_counter())
         if t == sim.rounds:
-            final = sim.vector.clone()
+            final = sim.vector.cpu().clone()
     return (len(ends) - 1) / (ends[-1] - ends[0]), final
 
 
@@ -76,6 +85,8 @@ def round_floor(raw: dict) -> float:
     def epoch():
         for xb, yb in zip(x.split(rows), y.split(rows), strict=True):
             torch.autograd.grad(sim.model.loss(w, xb, yb), w)
+        if sim.device.type == "cuda":
+            torch.cuda.synchronize(sim.device)
 
     epoch()
     times = []
@@ -87,6 +98,7 @@ def round_floor(raw: dict) -> float:
 
 
 def run_flower(raw: dict) -> tuple[float, torch.Tensor]:
+    raw = {**raw, "train": {**raw["train"], "device": "cpu"}}  # Flower's simulation engine, on the CPU
     os.environ["FEDTRUST_BENCH_SPEC"] = json.dumps(raw)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
     import flower_app
@@ -117,13 +129,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="rounds per run (round 1 is not timed)")
     parser.add_argument("--min-seconds", type=float, default=3.0, help="least timed seconds per fedtrust run")
     parser.add_argument("--no-flower", dest="flower", action="store_false")
+    parser.add_argument("--device", default="cpu", help="fedtrust's device (train.device); Flower: the CPU")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "simulation")
     args = parser.parse_args()
     logging.getLogger("flwr").setLevel(logging.WARNING)
     rows = []
     for data in args.data:
         for model in args.models:
-            raw = spec(data, model, args.clients, args.rounds)
+            raw = spec(data, model, args.clients, args.rounds, args.device)
             row = {"data": data, "model": model, "clients": args.clients, "rounds": args.rounds}
             row["batched"], batched_vector = run_fedtrust(raw, "batched", args.min_seconds)
             row["loop"], _ = run_fedtrust(raw, "loop", args.min_seconds)

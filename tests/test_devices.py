@@ -6,11 +6,12 @@ its CPU result to float rounding, across rounds (stateful rules keep their state
 import pytest
 import torch
 from conftest import dtype_tol
-from elsewhere import Elsewhere, elsewhere, on_host, to_elsewhere
+from elsewhere import DEVICE, Elsewhere, elsewhere, on_host, to_elsewhere
 from test_rule_properties import ALL, OPTIONS, make, random_round
 
 import fedtrust.inference as inference
 from fedtrust import Round, rule
+from fedtrust.aggregators.state import copy_tree
 from fedtrust.attacks import ATTACKS, AttackContext, attack
 from fedtrust.probabilistic.posterior import fit_posterior
 
@@ -153,3 +154,110 @@ def test_fedag_posterior_and_its_samples_stay_on_the_device():
     assert isinstance(post.mean, Elsewhere) and isinstance(sampled, Elsewhere)
     torch.testing.assert_close(on_host(post.var), expected.var)
     torch.testing.assert_close(on_host(sampled), draws)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_state_from_the_cpu_resumes_on_the_device(name):
+    """A checkpoint holds CPU tensors (fedtrust.checkpoint writes them so): a rule loaded from one
+    continues on the device as it continues on the CPU (resume across devices)."""
+    first, second, third = rounds(torch.float32, copies=True)
+    cpu = make(name)
+    cpu(first)
+    state = copy_tree(cpu.state_dict()) if hasattr(cpu, "state_dict") else None
+    expected = [cpu(second), cpu(third)]
+    resumed = make(name)
+    if state is not None:
+        resumed.load_state_dict(state)
+    for r, want in zip((second, third), expected, strict=True):
+        with elsewhere():
+            out = resumed(there(r))
+        torch.testing.assert_close(on_host(out.vector), want.vector, **dtype_tol(torch.float32, 10.0))
+        torch.testing.assert_close(on_host(out.weights), want.weights, **dtype_tol(torch.float32, 10.0))
+
+
+# ------------------------------------------------------------------ the simulator
+
+
+def simulation_config(rule_name, corruption, executor, model="softmax"):
+    from fedtrust.sweeps.config import validate
+
+    return validate({
+        "name": "device", "seed": 1,
+        "data": {"name": "digits", "clients": 6, "partition": {"name": "dirichlet", "alpha": 0.5},
+                 "benchmark": 0.05},
+        "model": {"name": model},
+        "train": {"rounds": 3, "local_epochs": 1, "batch_size": 32, "lr": 0.3, "executor": executor},
+        "corruption": {"fraction": 0.34, **corruption},
+        "rule": {"name": rule_name},
+    })  # fmt: skip
+
+
+SIMULATIONS = [
+    ("ivar_mle", {"name": "alie"}, "batched", "softmax"),
+    (
+        "fltrust",
+        {"name": "backdoor", "samples": 0.5, "attack": {"name": "model_replacement"}},
+        "loop",
+        "softmax",
+    ),
+    ("arfl", {"name": "label_flip"}, "batched", "mlp"),
+    ("focus", {"name": "fang_trimmed_mean"}, "loop", "mlp"),
+]
+
+
+@pytest.mark.parametrize(("rule_name", "corruption", "executor", "model"), SIMULATIONS,
+                         ids=[f"{r}-{c['name']}-{e}" for r, c, e, _ in SIMULATIONS])  # fmt: skip
+def test_simulation_runs_on_the_device(rule_name, corruption, executor, model):
+    """Models, client data, the executor, the attack and the rule on the device: the same records as
+    on the CPU (to float rounding), the global model there."""
+    from fedtrust.sweeps.runner import build_simulation
+
+    cfg = simulation_config(rule_name, corruption, executor, model)
+    expected = build_simulation(cfg, device="cpu").run()
+    with elsewhere():
+        sim = build_simulation(cfg, device=DEVICE)
+        records = sim.run()
+        assert isinstance(sim.vector, Elsewhere)
+    for got, want in zip(records, expected, strict=True):
+        assert got["error"] == want["error"]
+        for key, value in want["metrics"].items():
+            assert got["metrics"][key] == pytest.approx(value, abs=0.02 if key == "accuracy" else 1e-3)
+        assert got["weights"] == pytest.approx(want["weights"], abs=1e-3)
+
+
+def test_train_device_is_checked_and_left_out_of_the_config_hash():
+    from fedtrust.sim.settings import TrainSettings, resolve_device
+    from fedtrust.sweeps.config import ConfigError, validate
+    from fedtrust.sweeps.runner import config_hash
+
+    cfg = simulation_config("mean", {"name": "none"}, "auto")
+    on_cpu = validate(
+        {**cfg.model_dump(exclude={"sweep"}), "train": {**cfg.train.model_dump(), "device": "cpu"}}
+    )
+    assert config_hash(on_cpu) == config_hash(cfg)  # a run resumes on another device
+    with pytest.raises(ConfigError, match="train.device.*must be auto, cpu, cuda"):
+        validate({**cfg.model_dump(exclude={"sweep"}), "train": {"device": "gpu"}})
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(
+            ValueError, match=r"train.device: 'cuda:1', but this torch .* sees no CUDA device"
+        ):
+            resolve_device("cuda:1")
+    assert TrainSettings().device == "auto"
+
+
+@pytest.mark.parametrize("predictive", ["bootstrap", "omc", "linear"])
+def test_fedag_simulation_scores_its_predictions_from_the_device(predictive):
+    """FedAG's predictive distributions are computed on the device; the scores (scipy) on the host."""
+    from fedtrust.sweeps.config import validate
+    from fedtrust.sweeps.runner import build_simulation
+
+    cfg = validate({"name": "fedag", "seed": 0, "data": {"name": "boston", "clients": 5},
+                    "model": {"name": "linear"}, "train": {"rounds": 2, "predictive": predictive},
+                    "rule": {"name": "fedag"}})  # fmt: skip
+    expected = build_simulation(cfg, device="cpu").run()
+    with elsewhere():
+        records = build_simulation(cfg, device=DEVICE).run()
+    for key, value in expected[-1]["metrics"].items():
+        assert records[-1]["metrics"][key] == pytest.approx(value, rel=1e-4)

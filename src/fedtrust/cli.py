@@ -64,6 +64,9 @@ def run(
     force: bool = typer.Option(
         False, "--force", help="Start over the runs on disk that were computed from another config."
     ),
+    device: str = typer.Option(
+        None, help="Where runs compute: auto, cpu, cuda, cuda:<i>, mps, xpu (sets train.device)."
+    ),
 ) -> None:
     """Run an experiment config (each run of its sweep). Finished runs of the same config are skipped,
     interrupted ones resume; runs on disk from another config are refused unless --force."""
@@ -75,10 +78,18 @@ def run(
         raise _fail(f"{config} is a folder; give an experiment YAML file (e.g. {config}/<name>.yaml)")
     if out.exists() and not out.is_dir():
         raise _fail(f"--out {out} is a file; give a folder for the runs")
+    from fedtrust.sim.settings import resolve_device
+
     try:
-        cfg = load(config, set_)
+        cfg = load(config, [*set_, *([f"train.device={device}"] if device is not None else [])])
+        resolve_device(cfg.train.device)  # a device this machine lacks: refused before any run starts
         outcomes = run_experiment(cfg, out, progress=progress, force=force)
-    except (ConfigError, ConfigChanged, OSError) as exc:  # OSError: an --out that cannot be written
+    except (
+        ConfigError,
+        ConfigChanged,
+        OSError,
+        ValueError,
+    ) as exc:  # OSError: an --out that cannot be written
         raise _fail(str(exc)) from None
     except RunLocked as exc:
         raise _fail(str(exc), code=1) from None

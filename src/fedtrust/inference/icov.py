@@ -248,40 +248,43 @@ def icov_mle(
     tol = resolve_tol(tol, t.x.dtype)
     keys = list(range(sources)) if source_keys is None else list(source_keys)
     init = init or {}
-    on = {"dtype": torch.float64, "device": t.x.device}
+    # The fit is on J x J statistics after one pass over the data: it runs on the host, where L-BFGS's
+    # many scalar reads are free (on a GPU each is a sync), and the same code gives every device the
+    # same weights. The data stay where they are; the weights go back there.
+    host = torch.device("cpu")
+    on = {"dtype": torch.float64, "device": host}
     noise = torch.as_tensor(init["noise"] if "noise" in init else mean_noise(t, gram), **on).clone()
-    v = (
-        torch.as_tensor(init["V"], **on).clone()
-        if "V" in init
-        else latent_init(keys, latent_dim, seed, device=t.x.device)
-    )
+    v = torch.as_tensor(init["V"], **on).clone() if "V" in init else latent_init(keys, latent_dim, seed)
     sigma_u2 = float(init.get("sigma_u2", 0.1 * float(noise.median())))
     theta = {
         "V": v.requires_grad_(),
         "log_noise": noise.log().requires_grad_(),
         "log_su2": torch.tensor(math.log(sigma_u2), **on, requires_grad=True),
     }
-    all_mask = t.mask if past is None else torch.cat([t.mask, past.mask])
+    task_mask = t.mask.to(host)
+    all_mask = task_mask if past is None else torch.cat([task_mask, past.mask.to(host)])
     total = float(all_mask.sum()) * k
     with torch.no_grad():  # any consensus will do (icov_loglik): the plain mean's residuals
-        s = gram.residual_gram(t.m / t.m.sum(1, keepdim=True), t.mask)
-    all_s = s if past is None else torch.cat([s, past.gram])
+        s = gram.residual_gram(t.m / t.m.sum(1, keepdim=True), t.mask).to(host)
+    all_s = s if past is None else torch.cat([s, past.gram.to(host)])
     trace: list[float] = []
     changes = WeightChanges()
     fit = _CovarianceFit(theta, all_mask, all_s, k, total, steps)
     for it in range(1, max_iter + 1):
         ll = fit.step()
         with torch.no_grad():  # the restricted likelihood does not see the loadings' centre; eq 3 does
-            a = consensus_coefficients(_phi(_centred(theta)), t.mask)
+            a = consensus_coefficients(_phi(_centred(theta)), task_mask)
         changes.add(a)
         trace.append(ll / total)
         if converged(changes, tol):
             break
+    there = t.x.device
     with torch.no_grad():
         theta = _centred(theta)
-        phi = _phi(theta)
-        params = {"V": theta["V"].detach(), "sigma2": theta["log_noise"].detach().exp(),
+        phi = _phi(theta).to(there)
+        params = {"V": theta["V"].detach().to(there), "sigma2": theta["log_noise"].detach().exp().to(there),
                   "sigma_u2": float(theta["log_su2"].exp()), "Phi": phi}  # fmt: skip
+    a = a.to(there)
     return InferenceResult(
         estimator="icov_mle",
         consensus=weighted_sums(t, a),
@@ -293,7 +296,7 @@ def icov_mle(
         changes=list(changes),
         tol=tol,
         params=params,
-        past=IcovMlePast(t.mask, s),
+        past=IcovMlePast(t.mask, s.to(there)),
     )
 
 

@@ -90,14 +90,17 @@ class FlatModel:
     def state_dict(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The module's full state (``load_state_dict`` takes it) for ``flat``: its entries, and the
         integer buffers at the module's values."""
-        tensors = {**self.unflatten(flat), **{k: v.detach().clone() for k, v in self.fixed.items()}}
+        tensors = {
+            **self.unflatten(flat),
+            **{k: v.detach().to(flat.device, copy=True) for k, v in self.fixed.items()},
+        }
         return {k: tensors[k] for k in self.module.state_dict() if k in tensors}
 
     def _call(self, flat: torch.Tensor, x: torch.Tensor, train: bool) -> tuple[torch.Tensor, dict]:
         tensors = self.unflatten(flat)
         if train and (self.buffer_names or self.fixed):  # updated in place by batch norm: copies
             tensors.update({k: tensors[k].detach().clone() for k in self.buffer_names})
-            tensors.update({k: v.detach().clone() for k, v in self.fixed.items()})
+            tensors.update({k: v.detach().to(flat.device, copy=True) for k, v in self.fixed.items()})
         elif not train:  # an aggregate of running variances can be negative (attacked, a non-robust rule):
             for k in self.variances:  # read it as 0, where batch norm's eps keeps the division defined
                 tensors[k] = tensors[k].clamp_min(0)
@@ -143,12 +146,12 @@ class FlatModel:
         if buffers is None:
             return flat
         out = flat.clone()
-        out[~self.param_mask] = buffers.to(out.dtype)
+        out[~self.param_mask.to(out.device)] = buffers.to(out.dtype)
         return out
 
     def parameters_only(self, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` with its buffer entries zeroed (weight decay acts on parameters only)."""
-        return flat if self.param_mask is None else flat * self.param_mask.to(flat.dtype)
+        return flat if self.param_mask is None else flat * self.param_mask.to(flat)
 
     @torch.no_grad()
     def evaluate(

@@ -63,7 +63,7 @@ def ensemble_predictive(
     preds = _predictions(model, weight_sets, x)
     m = preds.shape[0]
     w = (
-        torch.full((m,), 1.0 / m, dtype=preds.dtype)
+        torch.full((m,), 1.0 / m, dtype=preds.dtype, device=preds.device)
         if weights is None
         else (weights / weights.sum()).to(preds.dtype)
     )
@@ -94,7 +94,7 @@ def omc_predictive(
 def linear_predictive(posterior: GaussianPosterior, x: torch.Tensor, beta: float):
     """Eq 6 for a linear model y = w'x + b: N(mu_w' [x, 1], 1 / beta + [x, 1] diag(sigma_w^2) [x, 1]').
     Parameters are laid out as nn.Linear(F, 1) flattens them: the F weights, then the bias."""
-    xa = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1).to(posterior.mean.dtype)
+    xa = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], 1).to(posterior.mean.dtype)
     mu = xa @ posterior.mean
     var = 1.0 / beta + xa.square() @ posterior.var
     return mu, var.sqrt()
@@ -110,5 +110,5 @@ def noise_precision(
             [float(((model.forward(at, x).reshape(-1) - y) ** 2).mean()) if len(y) else 0.0 for x, y in data]
         )
     counts = torch.tensor([len(y) for _, y in data], dtype=torch.float64)
-    w = counts if weights is None else weights.to(torch.float64) * (counts > 0)
+    w = counts if weights is None else weights.to(torch.float64).cpu() * (counts > 0)
     return float(w.sum() / (w * mse.to(torch.float64)).sum().clamp_min(1e-12))

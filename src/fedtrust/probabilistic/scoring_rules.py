@@ -12,7 +12,8 @@ from scipy.stats import norm
 
 
 def _np(*arrays):
-    return [np.asarray(a, dtype=np.float64).reshape(-1) for a in arrays]
+    # scores are computed on the host (scipy, scoringrules): tensors on any device come back first
+    return [np.asarray(a.cpu() if hasattr(a, "cpu") else a, dtype=np.float64).reshape(-1) for a in arrays]
 
 
 def nll(y, mu, sigma) -> float:

@@ -99,11 +99,11 @@ def batched_local_sgd(
     stacked = Stacked.of(data)
     steps = [[rows for _ in range(epochs) for rows in batches(n, batch_size, g)]
              for n, g in zip(stacked.sizes.tolist(), generators, strict=True)]  # fmt: skip
-    index, mask = _step_plan(stacked, steps, batch_size)
+    index, mask = (t.to(start.device) for t in _step_plan(stacked, steps, batch_size))
     clients = len(stacked)
     groups = max(1, -(-clients * model.size * start.element_size() // GROUP_BYTES))
     size = max(1, -(-clients // groups))
-    out = torch.empty(clients, model.size, dtype=start.dtype)
+    out = torch.empty(clients, model.size, dtype=start.dtype, device=start.device)
     for lo in range(0, clients, size):
         part = slice(lo, lo + size)
         out[part] = _sgd_steps(model, start, stacked, index[part], mask[part], lr, weight_decay)
@@ -125,8 +125,8 @@ def _sgd_steps(model, start, stacked: Stacked, index, mask, lr: float, weight_de
     step_grad = vmap(grad(_masked_loss(model)))
     # every step's mini-batches are gathered into the same buffers (index_select with out=: half the time
     # of fancy indexing into a fresh tensor)
-    xb = torch.empty(m * batch_size, *stacked.x.shape[1:], dtype=stacked.x.dtype)
-    yb = torch.empty(m * batch_size, dtype=stacked.y.dtype)
+    xb = torch.empty(m * batch_size, *stacked.x.shape[1:], dtype=stacked.x.dtype, device=stacked.x.device)
+    yb = torch.empty(m * batch_size, dtype=stacked.y.dtype, device=stacked.y.device)
     for s in range(steps):
         rows = index[:, s].reshape(-1)
         torch.index_select(stacked.x, 0, rows, out=xb)
@@ -153,7 +153,7 @@ def batched_minibatch_gradients(
         [torch.randperm(n, generator=g)[:batch_size]]
         for n, g in zip(stacked.sizes.tolist(), generators, strict=True)
     ]
-    index, mask = _step_plan(stacked, steps, batch_size)
+    index, mask = (t.to(at.device) for t in _step_plan(stacked, steps, batch_size))
     rows, m = index[:, 0], mask[:, 0]
     w = at.detach().expand(len(stacked), -1)
     return vmap(grad(_masked_loss(model)))(w, stacked.x[rows], stacked.y[rows], m.to(stacked.x.dtype))
@@ -169,6 +169,9 @@ def mean_losses(
     x, y = stacked.x[rows], stacked.y[rows]
     pieces = zip(x.split(8192), y.split(8192), strict=True)
     per_sample = torch.cat([model.loss(at, xb, yb, reduction="none") for xb, yb in pieces])
-    owner = torch.repeat_interleave(torch.arange(len(stacked)), stacked.sizes)
-    totals = torch.zeros(len(stacked), dtype=per_sample.dtype).index_add_(0, owner, per_sample)
-    return totals / stacked.sizes.clamp_min(1).to(per_sample.dtype)
+    sizes = stacked.sizes.to(per_sample.device)
+    owner = torch.repeat_interleave(torch.arange(len(stacked), device=sizes.device), sizes)
+    totals = torch.zeros(len(stacked), dtype=per_sample.dtype, device=sizes.device).index_add_(
+        0, owner, per_sample
+    )
+    return totals / sizes.clamp_min(1).to(per_sample.dtype)

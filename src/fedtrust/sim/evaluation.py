@@ -140,7 +140,7 @@ class BackdoorSuccess(TestSetMetrics):
         super().__init__(model, federation)
         keep = self.data.y_test != backdoor.target
         self.x = backdoor.stamp(self.data.x_test[keep])
-        self.target = torch.full((len(self.x),), backdoor.target, dtype=self.data.y_test.dtype)
+        self.target = torch.full_like(self.data.y_test[keep], backdoor.target)
 
     def __call__(self, t: int, vector: torch.Tensor) -> dict[str, float]:
         metrics = super().__call__(t, vector)

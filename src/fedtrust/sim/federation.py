@@ -30,6 +30,19 @@ class Federation:
     def sizes(self) -> list[int]:
         return [len(y) for _, y in self.data]
 
+    def to(self, device: torch.device) -> Federation:
+        """The same federation with every client's data, the benchmark and the dataset's tensors on
+        ``device`` (the corrupted flags, bookkeeping, stay on the CPU)."""
+        if all(x.device == device for x, _ in self.data) and self.dataset.x_test.device == device:
+            return self
+        move = {f: getattr(self.dataset, f).to(device) for f in ("x_train", "y_train", "x_test", "y_test")}
+        return replace(
+            self,
+            dataset=replace(self.dataset, **move),
+            data=[(x.to(device), y.to(device)) for x, y in self.data],
+            benchmark=None if self.benchmark is None else tuple(t.to(device) for t in self.benchmark),
+        )
+
 
 def hold_out_benchmark(dataset: Dataset, size: int | float, g: torch.Generator):
     """Carve the server's benchmark rows out of the training set (stratified by class where there are

@@ -20,7 +20,7 @@ from fedtrust.sim.batched import Stacked, batched_local_sgd, batched_minibatch_g
 from fedtrust.sim.detection import detection_auroc
 from fedtrust.sim.evaluation import Evaluation, default_evaluation
 from fedtrust.sim.federation import Federation
-from fedtrust.sim.settings import TrainSettings
+from fedtrust.sim.settings import TrainSettings, resolve_device
 from fedtrust.sim.store import RecoveryWarning, RunStore, now
 from fedtrust.sim.training import local_sgd, mean_loss, minibatch_gradient
 
@@ -78,7 +78,11 @@ class Simulation:
         attack=None,
         lie: Lie | None = None,
         evaluation: Evaluation | None = None,
+        device: torch.device | None = None,
     ):
+        #: where the models, the clients' data and the rounds live (``train.device``, or ``device``)
+        self.device = resolve_device(settings.device) if device is None else torch.device(device)
+        federation = federation.to(self.device)
         self.fed = federation
         self.model = model
         self.rule = rule
@@ -86,7 +90,7 @@ class Simulation:
         self.seed = seed
         self.attack = attack
         self.lie = lie
-        self.initial = model.init(seed)
+        self.initial = model.init(seed).to(self.device)  # drawn on the CPU: the same start everywhere
         self.vector = self.initial.clone()
         self.evaluation = evaluation or default_evaluation(model, federation, settings, seed)
         self.failure: str | None = None  # why the last run failed (see run), None when it did not
@@ -132,7 +136,7 @@ class Simulation:
         corrupted clients whose attack ignores their own update skip the training)."""
         s = self.settings
         start = self.initial if s.mode == "one_round" else self.vector
-        updates = torch.zeros(len(chosen), self.model.size)
+        updates = torch.zeros(len(chosen), self.model.size, device=self.device)
         idle = self.attack is not None and not getattr(self.attack, "uses_own_update", True)
         train = [i for i, k in enumerate(chosen) if not (idle and bool(self.fed.corrupted[k]))]
         if self.batched:
@@ -152,7 +156,7 @@ class Simulation:
                     )
                     updates[train] = new - start
             return updates, losses
-        losses = torch.empty(len(chosen)) if self.report_loss else None
+        losses = torch.empty(len(chosen), device=self.device) if self.report_loss else None
         for i, k in enumerate(chosen):
             x, y = self.fed.data[k]
             if losses is not None:
@@ -202,7 +206,7 @@ class Simulation:
 
             ctx = AttackContext(
                 updates,
-                bad,
+                bad.to(self.device),
                 self.vector,
                 self.settings.mode,
                 stream(self.seed, "attack", t),
@@ -360,7 +364,7 @@ class Simulation:
             self.rule.load_state_dict(state["rule_state"])
         except (ValueError, TypeError) as exc:
             return f"{path}: the rule refuses its state ({exc})"
-        self.vector = vector.to(self.vector.dtype)
+        self.vector = vector.to(self.vector)  # a checkpoint holds CPU tensors: back to this run's device
         return None
 
 

@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``train.device`` as a torch device: ``auto`` is CUDA where torch sees a CUDA device, else the CPU.
+    A named device torch cannot use here is refused with the reason."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"train.device: {name!r}, but this torch ({torch.__version__}) sees no CUDA device; use "
+                "'auto' or 'cpu'"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"train.device: {name!r}, but torch sees {torch.cuda.device_count()} CUDA device(s)"
+            )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"train.device: {name!r}, but this torch has no MPS backend; use 'auto' or 'cpu'")
+    if device.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise ValueError(f"train.device: {name!r}, but this torch sees no XPU device; use 'auto' or 'cpu'")
+    return device
 
 
 class TrainSettings(BaseModel):
@@ -40,6 +67,12 @@ class TrainSettings(BaseModel):
         description="clients report train_loss (their data's loss at the received model, one forward pass "
         "over it) always, or (auto) only when the rule reads it (ARFL, FOCUS) or liars misreport a loss",
     )
+    device: str = Field(
+        "auto",
+        description="where models, client data and the batched executor live: auto (CUDA when torch sees "
+        "one, else the CPU), cpu, cuda, cuda:<i>, mps or xpu[:<i>]. Results agree across devices to float "
+        "rounding; it is not part of a run's config hash, so a run resumes on another device",
+    )
     checkpoint_every: int = Field(5, ge=1)
     predictive: Literal["bootstrap", "omc", "linear"] = Field(
         "bootstrap",
@@ -48,6 +81,13 @@ class TrainSettings(BaseModel):
     )
     predictive_samples: int = Field(100, ge=2, description="weight sets drawn for omc")
     predictive_noise: bool = Field(False, description="add the data noise 1/beta to bootstrap/omc variances")
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        if not _DEVICE.fullmatch(v):
+            raise ValueError("must be auto, cpu, cuda, cuda:<i>, mps or xpu[:<i>]")
+        return v
 
     @property
     def rounds_run(self) -> int:

@@ -65,7 +65,7 @@ def minibatch_gradient(
     (grad,) = torch.autograd.grad(loss, w)
     if buffers is None:
         return grad
-    old = at.detach()[~model.param_mask]
+    old = at.detach()[~model.param_mask.to(at.device)]
     return model.with_buffers(grad, (old - buffers.to(old.dtype)) / step)
 
 

@@ -25,6 +25,7 @@ from fedtrust.rules import rule as build_rule
 from fedtrust.sim.evaluation import default_evaluation
 from fedtrust.sim.federation import build_federation
 from fedtrust.sim.loop import Lie, Simulation
+from fedtrust.sim.settings import resolve_device
 from fedtrust.sim.store import RunStore
 from fedtrust.sweeps.config import ExperimentConfig, expand
 
@@ -66,8 +67,12 @@ class _DatasetCache:
         return self._cache[key]
 
 
-def build_simulation(cfg: ExperimentConfig, datasets: _DatasetCache | None = None) -> Simulation:
-    """Every component of one run, built from its (validated) config."""
+def build_simulation(
+    cfg: ExperimentConfig, datasets: _DatasetCache | None = None, device: torch.device | None = None
+) -> Simulation:
+    """Every component of one run, built from its (validated) config, on ``train.device`` (or
+    ``device``)."""
+    device = resolve_device(cfg.train.device) if device is None else torch.device(device)
     datasets = datasets or _DatasetCache()
     dataset = datasets.get(cfg.data.name, cfg.data.options)
     partition = build("partition", PARTITIONERS, cfg.data.partition.name, cfg.data.partition.options)
@@ -91,19 +96,29 @@ def build_simulation(cfg: ExperimentConfig, datasets: _DatasetCache | None = Non
         corrupted_samples=c.samples,
         benchmark=cfg.data.benchmark,
         added=c.added,
-    )
+    ).to(device)
     model = build_model(cfg.model.name, dataset, **cfg.model.options)
     rule = build_rule(cfg.rule.name, **cfg.rule.options)
     lie = Lie(c.lie.metric, c.lie.value) if c.lie is not None else None
     evaluation = default_evaluation(model, federation, cfg.train, cfg.seed, data_corruption)
     return Simulation(
-        federation, model, rule, cfg.train, cfg.seed, attack=attack, lie=lie, evaluation=evaluation
+        federation,
+        model,
+        rule,
+        cfg.train,
+        cfg.seed,
+        attack=attack,
+        lie=lie,
+        evaluation=evaluation,
+        device=device,
     )
 
 
 def resolved(cfg: ExperimentConfig) -> dict[str, Any]:
-    """A run's fully resolved config as JSON data (defaults filled in, overrides and sweep applied)."""
-    return cfg.model_dump(mode="json", exclude={"sweep"})
+    """A run's fully resolved config as JSON data (defaults filled in, overrides and sweep applied), less
+    ``train.device``: where a run computes does not change what it computes (to float rounding), so a
+    run started on a GPU resumes on a CPU and the other way round."""
+    return cfg.model_dump(mode="json", exclude={"sweep": True, "train": {"device"}})
 
 
 def config_hash(cfg: ExperimentConfig) -> str:
@@ -209,6 +224,7 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
     bar.advance(len(store.read_rounds()[0]), label)
     try:
         sim = build_simulation(run_cfg, datasets)
+        identity["device"] = str(sim.device)  # where this (part of the) run computed
         sim.run(store, identity, on_round=lambda r: bar.advance(1, label))
     except Exception as exc:  # noqa: BLE001 - a broken run must not take the sweep down
         error = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,44 @@
+"""On a real CUDA device, when torch sees one (skipped otherwise): every rule and a short simulation
+give the CPU's results there. ``test_devices.py`` checks the same paths on every machine through an
+emulated device; this module is the check on the hardware itself."""
+
+import pytest
+import torch
+from conftest import dtype_tol
+from test_devices import CASES, build, rounds, simulation_config
+
+from fedtrust import Round
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+
+
+def on_cuda(r: Round) -> Round:
+    move = lambda t: None if t is None else t.cuda()  # noqa: E731
+    return Round(move(r.updates), r.client_ids, move(r.num_samples), {k: move(v) for k, v in r.metrics.items()},
+                 r.reference, move(r.previous))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize(("name", "options"), CASES, ids=[f"{n}{o or ''}" for n, o in CASES])
+def test_rule_on_cuda_matches_the_cpu(name, options, dtype):
+    on_cpu, on_gpu = build(name, options), build(name, options)
+    for r in rounds(dtype, copies=True):
+        expected, out = on_cpu(r), on_gpu(on_cuda(r))
+        assert out.vector.is_cuda and out.weights.is_cuda and out.vector.dtype == dtype
+        # CUDA's reductions sum in another order than the CPU's: float rounding apart, and an iterative
+        # rule may stop a step apart
+        tol = dtype_tol(dtype, factor=1e3 if name.startswith("icov") else 100.0)
+        torch.testing.assert_close(out.vector.cpu(), expected.vector, **tol)
+        torch.testing.assert_close(out.weights.cpu(), expected.weights, **tol)
+
+
+def test_short_simulation_on_cuda_matches_the_cpu():
+    from fedtrust.sweeps.runner import build_simulation
+
+    cfg = simulation_config("ivar_mle", {"name": "alie"}, "batched")
+    expected = build_simulation(cfg, device="cpu").run()
+    sim = build_simulation(cfg, device="cuda")
+    records = sim.run()
+    assert sim.vector.is_cuda
+    for got, want in zip(records, expected, strict=True):
+        assert got["metrics"]["accuracy"] == pytest.approx(want["metrics"]["accuracy"], abs=0.02)
