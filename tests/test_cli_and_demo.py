@@ -3,6 +3,7 @@
 import re
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -61,6 +62,31 @@ def test_run_and_report_commands(tmp_path):
     assert report.exit_code == 0, report.output
     text = (tmp_path / "tiny" / "report.md").read_text()
     assert "| mean |" in text and "| median |" in text and "curves.png" in text
+
+
+def test_device_option_refuses_a_device_by_name_before_any_run(tmp_path):
+    """--device on run and demo: an unknown name or a device this machine lacks stops with the reason,
+    before a run starts; a run computed on one device is skipped when asked for on another."""
+    config = digits_config(tmp_path, "tiny", 2)
+    bad = runner.invoke(app, ["run", str(config), "--out", str(tmp_path), "--device", "gpu"])
+    assert bad.exit_code == 2 and "train.device: Value error, must be auto, cpu, cuda" in bad.output
+    demo = runner.invoke(app, ["demo", "--out", str(tmp_path), "--device", "gpu"])
+    assert (
+        demo.exit_code == 2
+        and "--device: must be auto, cpu, cuda, cuda:<i>, mps or xpu[:<i>], got 'gpu'" in demo.output
+    )
+    if not torch.cuda.is_available():
+        missing = runner.invoke(app, ["run", str(config), "--out", str(tmp_path), "--device", "cuda:0"])
+        assert missing.exit_code == 2 and "sees no CUDA device" in missing.output
+    assert not (tmp_path / "tiny").exists() and not (tmp_path / "demo").exists()
+    first = runner.invoke(
+        app, ["run", str(config), "--out", str(tmp_path), "--device", "cpu", "--no-progress"]
+    )
+    assert first.exit_code == 0 and "1 finished" in first.output
+    again = runner.invoke(
+        app, ["run", str(config), "--out", str(tmp_path), "--device", "auto", "--no-progress"]
+    )
+    assert again.exit_code == 0 and "1 skipped" in again.output
 
 
 def test_run_command_reports_a_bad_config_with_its_path(tmp_path):

@@ -17,11 +17,22 @@ def demo(
     out: Path = typer.Option(Path("results"), help="Where the demo's runs and report go (results/demo)."),
     rounds: int = typer.Option(30, min=1, help="Training rounds."),
     seeds: int = typer.Option(3, min=1, help="Seeds per rule."),
+    device: str = typer.Option("auto", help="Where the runs compute: auto, cpu, cuda, cuda:<i>, mps, xpu."),
 ) -> None:
     """The main job: every rule on digits where 30% of 20 clients flip their labels."""
-    from fedtrust import demo as demo_module
+    from pydantic import ValidationError
 
-    demo_module.main(out=out, rounds=rounds, seeds=seeds)
+    from fedtrust import demo as demo_module
+    from fedtrust.sim.settings import TrainSettings, resolve_device
+
+    try:
+        resolve_device(TrainSettings(device=device).device)
+    except ValidationError as exc:
+        reason = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise _fail(f"--device: {reason}, got {device!r}") from None
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    demo_module.main(out=out, rounds=rounds, seeds=seeds, device=device)
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:

@@ -16,6 +16,7 @@ from pathlib import Path
 from fedtrust.report import load_runs, write_report
 from fedtrust.report.results import Run, table
 from fedtrust.rules import RULES
+from fedtrust.sim.settings import resolve_device
 from fedtrust.sweeps.config import validate
 from fedtrust.sweeps.runner import run_experiment
 
@@ -29,12 +30,21 @@ RULE_OPTIONS = {
 }
 
 
-def config(rounds: int = 30, seeds: int = 3, clients: int = 20, fraction: float = 0.3) -> dict:
+def config(
+    rounds: int = 30, seeds: int = 3, clients: int = 20, fraction: float = 0.3, device: str = "auto"
+) -> dict:
     return {
         "name": "demo",
         "data": {"name": "digits", "clients": clients, "partition": {"name": "iid"}, "benchmark": 0.05},
         "model": {"name": "softmax"},
-        "train": {"rounds": rounds, "local_epochs": 1, "batch_size": 32, "lr": 0.5, "eval_every": 1},
+        "train": {
+            "rounds": rounds,
+            "local_epochs": 1,
+            "batch_size": 32,
+            "lr": 0.5,
+            "eval_every": 1,
+            "device": device,
+        },  # fmt: skip
         "corruption": {"name": "label_flip", "fraction": fraction},
         "sweep": {
             "rule": [{"name": name, **RULE_OPTIONS.get(name, {})} for name in RULES],
@@ -43,11 +53,14 @@ def config(rounds: int = 30, seeds: int = 3, clients: int = 20, fraction: float 
     }
 
 
-def main(out: str | Path = "results", rounds: int = 30, seeds: int = 3, progress: bool = True) -> list[Run]:
+def main(
+    out: str | Path = "results", rounds: int = 30, seeds: int = 3, progress: bool = True, device: str = "auto"
+) -> list[Run]:
     from rich.console import Console
     from rich.table import Table
 
-    cfg = validate(config(rounds=rounds, seeds=seeds))
+    cfg = validate(config(rounds=rounds, seeds=seeds, device=device))
+    resolve_device(cfg.train.device)  # a device this machine lacks: refused before the first run
     root = Path(out) / cfg.name
     shutil.rmtree(root, ignore_errors=True)  # the demo always computes afresh
     began = time.perf_counter()
