@@ -81,6 +81,7 @@ def run(
 ) -> None:
     """Run an experiment config (each run of its sweep). Finished runs of the same config are skipped,
     interrupted ones resume; runs on disk from another config are refused unless --force."""
+    from fedtrust.sim.settings import resolve_device
     from fedtrust.sim.store import RunLocked
     from fedtrust.sweeps.config import ConfigError, load
     from fedtrust.sweeps.runner import ConfigChanged, run_experiment
@@ -89,18 +90,15 @@ def run(
         raise _fail(f"{config} is a folder; give an experiment YAML file (e.g. {config}/<name>.yaml)")
     if out.exists() and not out.is_dir():
         raise _fail(f"--out {out} is a file; give a folder for the runs")
-    from fedtrust.sim.settings import resolve_device
-
+    overrides = [*set_, *([f"train.device={device}"] if device is not None else [])]
     try:
-        cfg = load(config, [*set_, *([f"train.device={device}"] if device is not None else [])])
+        cfg = load(config, overrides)
         resolve_device(cfg.train.device)  # a device this machine lacks: refused before any run starts
+    except (ConfigError, OSError, ValueError) as exc:  # ValueError: a device this machine lacks
+        raise _fail(str(exc)) from None
+    try:
         outcomes = run_experiment(cfg, out, progress=progress, force=force)
-    except (
-        ConfigError,
-        ConfigChanged,
-        OSError,
-        ValueError,
-    ) as exc:  # OSError: an --out that cannot be written
+    except (ConfigError, ConfigChanged, OSError) as exc:  # OSError: an --out that cannot be written
         raise _fail(str(exc)) from None
     except RunLocked as exc:
         raise _fail(str(exc), code=1) from None
