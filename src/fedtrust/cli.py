@@ -248,5 +248,25 @@ def flower_credentials(
         typer.echo(f"node-{k:<6d} {private} {public}")
 
 
+@app.command("flower-run")
+def flower_run(
+    app_dir: Path = typer.Argument(..., help="The Flower app's folder (with its pyproject.toml)."),
+    nodes: int = typer.Option(5, min=1, help="SuperNodes in the simulation."),
+    run_config: str = typer.Option(
+        None, help="Flower's --run-config, e.g. 'rule=\"arfl\" num-server-rounds=3'."
+    ),
+    logs: Path = typer.Option(None, help="Keep the SuperLink's log here (default: discarded)."),
+) -> None:
+    """flwr run APP in Flower's simulation engine, on a SuperLink that stops with the run (plain
+    `flwr run` leaves its local SuperLink running): nothing it started is left behind."""
+    from fedtrust.flower.local import simulate
+
+    try:
+        code = simulate(app_dir, nodes, run_config, logs)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    raise typer.Exit(code)
+
+
 if __name__ == "__main__":
     app()

@@ -24,7 +24,7 @@ def _data(context: Context):
 
 
 def _model(context: Context):
-    return make_model(str(context.run_config["dataset"]))
+    return make_model(str(context.run_config["dataset"]), str(context.run_config["model"]))
 
 
 app = trust_client_app(_model, _data)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
@@ -20,8 +17,9 @@ def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     dataset, rule = str(cfg["dataset"]), str(cfg["rule"])
     benchmark, (x_test, y_test) = server_data(dataset, int(cfg["benchmark-size"]))
-    model = make_model(dataset)
-    flat = FlatModel(make_model(dataset), "classification")
+    model = make_model(dataset, str(cfg["model"]))
+    # simulation: the partitions the run config corrupts are known, so the report can score detection
+    corrupted = str(cfg.get("fedtrust-corrupted-partitions", "")).replace(",", " ").split()
     strategy = TrustStrategy(
         rule=rule,
         model=model,
@@ -30,18 +28,16 @@ def main(grid: Grid, context: Context) -> None:
         fraction_evaluate=0.0,
         min_available_nodes=int(cfg["min-nodes"]),
         min_train_nodes=int(cfg["min-nodes"]),
+        corrupted=[f"partition-{p}" for p in corrupted],
+        run_dir=str(cfg["run-dir"]) or None,
     )
     initial = ArrayRecord(model.state_dict())
     layout = ArrayLayout(initial)
+    flat = FlatModel(make_model(dataset, str(cfg["model"])), "classification")
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         return MetricRecord(flat.evaluate(layout.flatten(arrays), x_test, y_test))
 
-    result = strategy.start(
+    strategy.start(
         grid=grid, initial_arrays=initial, num_rounds=int(cfg["num-server-rounds"]), evaluate_fn=evaluate
     )
-    if cfg.get("results-path"):
-        accuracy = {r: dict(m)["accuracy"] for r, m in result.evaluate_metrics_serverapp.items()}
-        Path(str(cfg["results-path"])).write_text(
-            json.dumps({"rule": rule, "accuracy": accuracy, "history": strategy.history}, indent=1)
-        )

@@ -6,13 +6,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedtrust.attacks import AttackContext, attack
 from fedtrust.data.corruptions import corrupt, data_corruption
 from fedtrust.flower.arrays import ArrayLayout
-from fedtrust.flower.strategy import NUM_EXAMPLES, TRAIN_LOSS
+from fedtrust.flower.replies import NAME_LIMIT, NODE_RECORD
 from fedtrust.models import FlatModel
 from fedtrust.sim.training import local_sgd, mean_loss
 
@@ -60,48 +60,83 @@ def trust_client_app(
     lr: float = 0.05,
     weight_decay: float = 0.0,
     seed: int = 0,
+    weighted_by_key: str = "num-examples",
+    train_loss_key: str = "train_loss",
+    arrayrecord_key: str = "arrays",
+    configrecord_key: str = "config",
 ) -> ClientApp:
-    """A ClientApp that, on ``train``, reports ``train_loss`` (the received model's loss on its data before
-    training, what ARFL and FOCUS read) and ``num-examples`` with its model after ``local_epochs`` of SGD
-    (the run config's ``local-epochs``, ``batch-size``, ``learning-rate`` and ``weight-decay`` override
-    the keyword defaults, so ``flwr run --run-config`` tunes training without code changes);
-    on ``evaluate`` reports loss (and accuracy) on its test rows; on ``query`` reports the train_loss
-    alone (the initial report). A node whose :func:`node_role` sets ``fedtrust-corruption``,
-    ``fedtrust-attack`` or ``fedtrust-lie`` behaves as that corrupted client."""
+    """A ClientApp that, on ``train``, reports ``train_loss_key`` (the received model's loss on its data
+    before training, what ARFL and FOCUS read) and ``weighted_by_key`` (its number of training rows) with
+    its model after ``local_epochs`` of SGD (the run config's ``local-epochs``, ``batch-size``,
+    ``learning-rate`` and ``weight-decay`` override the keyword defaults, so ``flwr run --run-config``
+    tunes training without code changes); on ``evaluate`` reports loss (and accuracy) on its test rows;
+    on ``query`` reports the train loss alone (the initial report). Every reply names the node
+    (:func:`node_name`). The four keys are the strategy's options of the same names, with the same
+    defaults (Flower's). A node whose :func:`node_role` sets ``fedtrust-corruption``, ``fedtrust-attack``
+    or ``fedtrust-lie`` behaves as that corrupted client."""
     app = ClientApp()
     nodes = _Nodes(model_fn, data_fn, task, seed)
     defaults = {"local-epochs": local_epochs, "batch-size": batch_size, "learning-rate": lr,
                 "weight-decay": weight_decay}  # fmt: skip
 
+    def received(msg: Message) -> tuple[ArrayLayout, torch.Tensor]:
+        record = msg.content.array_records[arrayrecord_key]
+        layout = ArrayLayout(record)
+        return layout, layout.flatten(record)
+
+    def reply(msg: Message, context: Context, arrays: ArrayRecord | None, metrics: dict) -> Message:
+        content = RecordDict(
+            {"metrics": MetricRecord(metrics), NODE_RECORD: ConfigRecord({"name": node_name(context)})}
+        )
+        if arrays is not None:
+            content[arrayrecord_key] = arrays
+        return Message(content=content, reply_to=msg)
+
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         model, data = nodes(context)
-        layout, start = _received(msg)
+        layout, start = received(msg)
         loss = mean_loss(model, start, data.x_train, data.y_train)
-        g = torch.Generator().manual_seed(seed * 7919 + int(msg.content["config"].get("server-round", 0)))
+        server_round = int(msg.content[configrecord_key].get("server-round", 0))
+        g = torch.Generator().manual_seed(seed * 7919 + server_round)
         run = {key: context.run_config.get(key, value) for key, value in defaults.items()}
         new = local_sgd(model, start, data.x_train, data.y_train, int(run["local-epochs"]),
                         int(run["batch-size"]), float(run["learning-rate"]), float(run["weight-decay"]),
                         g)  # fmt: skip
         new = _attacked(context, start, new, g)
-        metrics = {NUM_EXAMPLES: len(data.y_train), TRAIN_LOSS: _reported_loss(context, loss)}
-        return _reply(msg, layout.unflatten(new), metrics)
+        metrics = {weighted_by_key: len(data.y_train), train_loss_key: _reported_loss(context, loss)}
+        return reply(msg, context, layout.unflatten(new), metrics)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         model, data = nodes(context)
-        _, weights = _received(msg)
+        _, weights = received(msg)
         scores = model.evaluate(weights, data.x_test, data.y_test)
-        return _reply(msg, None, {NUM_EXAMPLES: len(data.y_test), **scores})
+        return reply(msg, context, None, {weighted_by_key: len(data.y_test), **scores})
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
         model, data = nodes(context)
-        _, weights = _received(msg)
+        _, weights = received(msg)
         loss = mean_loss(model, weights, data.x_train, data.y_train)
-        return _reply(msg, None, {NUM_EXAMPLES: len(data.y_train), TRAIN_LOSS: _reported_loss(context, loss)})
+        metrics = {weighted_by_key: len(data.y_train), train_loss_key: _reported_loss(context, loss)}
+        return reply(msg, context, None, metrics)
 
     return app
+
+
+def node_name(context: Context) -> str:
+    """What a node calls itself in its replies: its node config's ``node-name`` (e.g. ``hospital-a``), else
+    ``partition-<partition-id>``, else its Flower node id."""
+    name = str(context.node_config.get("node-name", "")).strip()
+    if name:
+        if len(name) > NAME_LIMIT or not name.isprintable():
+            raise ValueError(f"node config node-name must be printable and at most {NAME_LIMIT} characters, "
+                             f"got {name!r}")  # fmt: skip
+        return name
+    if "partition-id" in context.node_config:
+        return f"partition-{context.node_config['partition-id']}"
+    return str(context.node_id)
 
 
 class _Nodes:
@@ -145,16 +180,3 @@ def _reported_loss(context: Context, loss: float) -> float:
     """The train_loss a node reports: its own, or the lie its role sets."""
     lie = node_role(context).get(LIE)
     return float(lie) if lie is not None else loss
-
-
-def _received(msg: Message) -> tuple[ArrayLayout, torch.Tensor]:
-    record = msg.content.array_records["arrays"]
-    layout = ArrayLayout(record)
-    return layout, layout.flatten(record)
-
-
-def _reply(msg: Message, arrays: ArrayRecord | None, metrics: dict) -> Message:
-    content = RecordDict({"metrics": MetricRecord(metrics)})
-    if arrays is not None:
-        content["arrays"] = arrays
-    return Message(content=content, reply_to=msg)

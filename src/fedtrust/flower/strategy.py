@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -12,43 +12,64 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
 from fedtrust.aggregators import Round
-from fedtrust.checkpoint import load_state, save_state
-from fedtrust.flower.arrays import ArrayLayout, MalformedReply
+from fedtrust.flower.arrays import ArrayLayout
+from fedtrust.flower.replies import Reply, display_names, screen, shared_metrics
+from fedtrust.flower.runlog import RunDirectory
 from fedtrust.models import FlatModel
 from fedtrust.rules import rule as build_rule
 from fedtrust.server import server_step
+from fedtrust.sim.detection import detection_auroc
 
-#: Keys of the MetricRecord a fedtrust client sends with its update.
-NUM_EXAMPLES = "num-examples"
-TRAIN_LOSS = "train_loss"
+#: The ArrayRecord with FedAG's posterior variance, sent beside the model.
 POSTERIOR_VAR = "posterior-var"
+#: What keys the rules' trust: the node ids the SuperLink assigns, or the names the nodes give.
+IDENTITIES = ("node-id", "name")
+
+MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
 
 
 class TrustStrategy(FedAvg):
-    """FedAvg's sampling and messaging, with the aggregation done by a fedtrust rule.
+    """Flower's ``FedAvg`` (sampling, messages, options, hooks) with the aggregation done by a fedtrust rule.
 
-    Each round the replies become a :class:`fedtrust.Round`: updates are the clients' models minus the
-    global model, client ids are Flower node ids (so rules that learn reputation keep it across rounds),
-    ``num_samples`` and ``metrics`` come from each reply's MetricRecord (clients report ``train_loss``,
-    the global model's loss on their data before training, which ARFL and FOCUS read). With a
-    ``model`` and a ``benchmark`` (x, y) split the server scores updates on it (``Round.reference``,
-    for FOCUS and the ARFL defence). A reply that failed, lacks keys, or has arrays of the wrong
-    shape is dropped with a logged reason and the round goes on with the rest (Flower's FedAvg raises
-    InconsistentMessageReplies instead); the rule quarantines non-finite updates itself. A round the
-    rule cannot aggregate (every reply dropped or quarantined, or an aggregate that would make the model
-    non-finite) keeps the previous model, returned again so that Flower's result holds it, and logs why.
+    Takes every option of ``FedAvg`` with its name and default (``fraction_train``, ``fraction_evaluate``,
+    ``min_train_nodes``, ``min_evaluate_nodes``, ``min_available_nodes``, ``weighted_by_key``,
+    ``arrayrecord_key``, ``configrecord_key``, ``train_metrics_aggr_fn``, ``evaluate_metrics_aggr_fn``),
+    and ``start`` is ``FedAvg.start`` (``evaluate_fn``, configs, timeout). Each round the replies become a
+    :class:`fedtrust.Round`: updates are the nodes' models minus the global model, ``num_samples`` the
+    ``weighted_by_key`` counts, ``metrics`` the MetricRecords (``train_loss_key`` is read as the
+    ``train_loss`` ARFL and FOCUS need: the global model's loss on the node's data before training). With a
+    ``model`` and a ``benchmark`` (x, y) split the server scores updates on it (``Round.reference``: FOCUS,
+    FLTrust-style defences).
 
-    The returned MetricRecord carries the clients' averaged train metrics and, aligned lists,
-    ``trust-node-ids`` / ``trust``. ``history`` keeps every round's trust, drops and quarantines, and
-    the rule's ``warning`` when its estimator stopped before converging (also logged each round);
-    ``history_path`` appends it as JSON lines, ``state_path`` saves the rule's state after each round
-    and restores it at start (a restarted server keeps the reputations). Rules with an ``observe`` hook
-    (ARFL) get every node's train_loss at the initial model through a QUERY round first. For FedAG the
-    posterior variance travels to the clients as the ``posterior-var`` ArrayRecord.
+    **Bad replies.** A reply that failed, lacks a key, or has arrays that do not fit is dropped with a
+    logged reason and the round goes on with the rest (``FedAvg`` raises ``InconsistentMessageReplies``
+    instead); the rule quarantines non-finite updates itself. A round the rule cannot aggregate keeps the
+    previous model, returned again so that Flower's result holds it, and logs why.
+
+    **Trust per node.** The round's MetricRecord holds the clients' metrics aggregated by
+    ``train_metrics_aggr_fn`` (weighted by ``weighted_by_key``, as ``FedAvg``) and ``trust/<name>`` per
+    node, plus ``dropped`` and ``quarantined`` counts. A node's name is the one it gives
+    (:mod:`fedtrust.flower.replies`: its ``partition-id`` or node config ``node-name`` with
+    :func:`~fedtrust.flower.trust_client_app`), else its node id. ``identity`` says what keys the rules'
+    reputations: ``"node-id"`` (default: assigned by the SuperLink; with SuperNode authentication bound to
+    the node's key, so a node that leaves and rejoins keeps its id and its history) or ``"name"`` (history
+    follows the name across new node ids; a name is the node's own claim, so use it where names are
+    assigned by whoever runs the nodes). ``corrupted`` names nodes known to be corrupted (experiments: the
+    report then scores detection); the rules never see it.
+
+    **Run directory.** ``history`` keeps every round's record; with ``run_dir`` they also go to
+    ``rounds.jsonl`` there, with a manifest and a checkpoint after every round
+    (:mod:`fedtrust.flower.runlog`), in the simulator's layout: ``fedtrust report`` plots it, and a restarted
+    SuperLink running the ServerApp again with the same ``run_dir`` goes on from the checkpoint (model,
+    reputations, round number; ``num_rounds`` counts rounds in all).
+
+    Rules with an ``observe`` hook (ARFL) get every node's train_loss at the initial model through a QUERY
+    round first. For FedAG the posterior variance travels to the nodes as the ``posterior-var``
+    ArrayRecord.
     """
 
     def __init__(
@@ -56,119 +77,214 @@ class TrustStrategy(FedAvg):
         rule: str | Any = "fedavg",
         rule_options: dict | None = None,
         *,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 1.0,
+        min_train_nodes: int = 2,
+        min_evaluate_nodes: int = 2,
+        min_available_nodes: int = 2,
+        weighted_by_key: str = "num-examples",
+        arrayrecord_key: str = "arrays",
+        configrecord_key: str = "config",
+        train_metrics_aggr_fn: MetricsAggregation | None = None,
+        evaluate_metrics_aggr_fn: MetricsAggregation | None = None,
+        train_loss_key: str = "train_loss",
         model: torch.nn.Module | FlatModel | None = None,
         benchmark: tuple[torch.Tensor, torch.Tensor] | None = None,
         task: str = "classification",
         initial_report: bool = True,
-        history_path: str | Path | None = None,
-        state_path: str | Path | None = None,
+        identity: str = "node-id",
+        corrupted: Iterable[str] = (),
+        run_dir: str | Path | None = None,
         query_timeout: float = 600.0,
-        **fedavg_options: Any,
     ) -> None:
-        super().__init__(**fedavg_options)
+        _check_options(locals())
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=min_evaluate_nodes,
+            min_available_nodes=min_available_nodes,
+            weighted_by_key=weighted_by_key,
+            arrayrecord_key=arrayrecord_key,
+            configrecord_key=configrecord_key,
+            train_metrics_aggr_fn=train_metrics_aggr_fn,
+            evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
+        )
         self.rule = build_rule(rule, **(rule_options or {})) if isinstance(rule, str) else rule
         if model is not None and not isinstance(model, FlatModel):
             model = FlatModel(model, task)
         if benchmark is not None and model is None:
             raise ValueError("TrustStrategy: a benchmark split needs the model to score updates on it")
+        self.train_loss_key = train_loss_key
         self.model = model
         self.benchmark = benchmark
         self.initial_report = initial_report
-        self.history_path = Path(history_path) if history_path else None
-        self.state_path = Path(state_path) if state_path else None
+        self.identity = identity
+        self.corrupted = {str(c) for c in corrupted}
         self.query_timeout = query_timeout
+        self.run = RunDirectory(run_dir, self._describe()) if run_dir else None
         self.history: list[dict[str, Any]] = []
+        self.names: dict[int, str] = {}  # node id -> the name it last gave
         self.layout: ArrayLayout | None = None
         self.global_vector: torch.Tensor | None = None
         self.posterior_var: torch.Tensor | None = None
         self._observed = False
-        if self.state_path is not None and self.state_path.exists():
-            state = load_state(self.state_path, remedy="delete it to start the rule's state afresh")
-            self.rule.load_state_dict(state)
-            self._observed = True
+        self._offset = 0  # rounds done before this start (a resumed run)
+        self._pending: dict[str, Any] | None = None
+
+    def _describe(self) -> dict[str, Any]:
+        options = ("fraction_train", "fraction_evaluate", "min_train_nodes", "min_evaluate_nodes",
+                   "min_available_nodes", "weighted_by_key", "train_loss_key", "identity")  # fmt: skip
+        return {
+            "rule": {"name": getattr(self.rule, "name", type(self.rule).__name__), **_options(self.rule)},
+            "strategy": {k: getattr(self, k) for k in options},
+        }
 
     def summary(self) -> None:
         super().summary()
-        log(INFO, "\t└──> fedtrust rule: %r", self.rule)
+        log(INFO, "\t└──> fedtrust: rule %r, trust keyed by %s, train loss key '%s'", self.rule,
+            self.identity, self.train_loss_key)  # fmt: skip
+
+    def trust(self, round: int = -1) -> dict[str, float]:
+        """Node name -> trust in a round of ``history`` (the last by default)."""
+        record = self.history[round]
+        return dict(zip(record["clients"], record["weights"], strict=True))
+
+    # ------------------------------------------------------------------ the run
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """``FedAvg.start``; with a ``run_dir`` that holds rounds already, from its checkpoint on, and the
+        result then holds every round's metrics."""
+        if isinstance(num_rounds, bool) or not isinstance(num_rounds, int) or num_rounds < 0:
+            raise ValueError(f"num_rounds must be a whole number >= 0, got {num_rounds!r}")
+        self.layout = ArrayLayout(initial_arrays)
+        with self.run.lock() if self.run else nullcontext():
+            done: list[dict[str, Any]] = []
+            if self.run is not None:
+                done, state = self.run.resume(self.layout.size)
+                if len(done) > num_rounds:
+                    raise ValueError(
+                        f"{self.run.store.dir} holds {len(done)} rounds already; ask for num_rounds >= "
+                        f"{len(done)} to go on, or give another run_dir"
+                    )
+                if state is not None:
+                    initial_arrays = self._restore(state)
+                    log(INFO, "run_dir %s: resuming after round %d", self.run.store.dir, len(done))
+                self.run.start(num_rounds, done)
+            self.history, self._offset = list(done), len(done)
+            result = super().start(grid, initial_arrays, num_rounds - len(done), timeout, train_config,
+                                   evaluate_config, self._end_of_round(evaluate_fn))  # fmt: skip
+            if self.run is not None:
+                self.run.finish(self.history, num_rounds)
+        return self._whole(result, initial_arrays, done)
+
+    def _restore(self, state: dict[str, Any]) -> ArrayRecord:
+        self.rule.load_state_dict(state["rule_state"])
+        self.names = dict(state["names"])
+        self.posterior_var = state["posterior_var"]
+        self._observed = True
+        return self.layout.unflatten(state["vector"])
+
+    def _whole(self, result: Result, start: ArrayRecord, done: list[dict[str, Any]]) -> Result:
+        """``FedAvg.start``'s result with its rounds numbered from the first round of the run, the rounds
+        done before this start read back from their records, and the model it started from when no
+        round ran."""
+        whole = Result(arrays=result.arrays if len(result.arrays) else start)
+        for record in done:
+            for key, name in (("train_metrics", "train_metrics_clientapp"),
+                              ("evaluate_metrics", "evaluate_metrics_clientapp"),
+                              ("server_metrics", "evaluate_metrics_serverapp")):  # fmt: skip
+                if record.get(key) is not None:
+                    getattr(whole, name)[record["round"]] = MetricRecord(record[key])
+        for name in ("train_metrics_clientapp", "evaluate_metrics_clientapp", "evaluate_metrics_serverapp"):
+            for r, metrics in getattr(result, name).items():
+                getattr(whole, name)[r + self._offset if r else 0] = metrics
+        return whole
+
+    def _end_of_round(self, evaluate_fn):
+        """Flower calls this after each round's evaluation (and once before the first): the server-side
+        evaluation, then the round's record and checkpoint."""
+
+        def end_of_round(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+            t = server_round + self._offset
+            metrics = None
+            if evaluate_fn is not None and (server_round > 0 or self._offset == 0):
+                metrics = evaluate_fn(t, arrays)
+            if server_round > 0:
+                self._commit(t, metrics)
+            elif metrics is not None and self.run is not None:
+                self.run.store.update_manifest(initial_metrics=dict(metrics))
+            return metrics
+
+        return end_of_round
+
+    def _commit(self, t: int, server_metrics: MetricRecord | None) -> None:
+        record, self._pending = self._pending or _empty_record(t), None
+        if server_metrics is not None:
+            record["server_metrics"] = dict(server_metrics)
+        record["metrics"] = record.get("server_metrics") or record.get("evaluate_metrics")
+        self.history.append(record)
+        if self.run is not None:
+            self.run.commit(record, {
+                "round": t, "vector": self.global_vector, "rule_state": self.rule.state_dict(),
+                "names": dict(self.names), "posterior_var": self.posterior_var})  # fmt: skip
 
     # ------------------------------------------------------------------ training
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        t = server_round + self._offset
         self.layout = ArrayLayout(arrays)
         self.global_vector = self.layout.flatten(arrays)
-        messages = list(super().configure_train(server_round, arrays, config, grid))
-        if self.initial_report and hasattr(self.rule, "observe") and not self._observed:
+        messages = list(super().configure_train(t, arrays, config, grid))
+        if self.initial_report and hasattr(self.rule, "observe") and not self._observed and messages:
             self._report_all(arrays, grid)
-        if self.posterior_var is not None:
+        return self._with_posterior(messages)
+
+    def _with_posterior(self, messages: list[Message]) -> list[Message]:
+        if self.posterior_var is not None and self.layout is not None:
             for message in messages:
                 message.content[POSTERIOR_VAR] = self.layout.unflatten(self.posterior_var)
         return messages
+
+    def _key(self, reply: Reply) -> int | str:
+        return reply.name if self.identity == "name" else reply.node
 
     def _report_all(self, arrays: ArrayRecord, grid: Grid) -> None:
         """Every connected node's train_loss at the current model, for the rule's ``observe`` hook."""
         nodes = list(grid.get_node_ids())
         query = RecordDict(
-            {self.arrayrecord_key: arrays, self.configrecord_key: ConfigRecord({"query": TRAIN_LOSS})}
+            {
+                self.arrayrecord_key: arrays,
+                self.configrecord_key: ConfigRecord({"query": self.train_loss_key}),
+            }
         )
         replies = grid.send_and_receive(
             self._construct_messages(query, nodes, MessageType.QUERY), timeout=self.query_timeout
         )
-        ids, counts, losses = [], [], []
-        for msg in replies:
-            try:
-                metrics = self._metrics(msg, (TRAIN_LOSS,))
-            except MalformedReply as exc:
-                log(WARNING, "initial report: dropped node %s: %s", msg.metadata.src_node_id, exc)
-                continue
-            ids.append(msg.metadata.src_node_id)
-            counts.append(metrics[NUM_EXAMPLES])
-            losses.append(metrics[TRAIN_LOSS])
-        if ids:
-            self.rule.observe(ids, counts, {TRAIN_LOSS: torch.tensor(losses)})
-            log(INFO, "initial report: train_loss from %d nodes", len(ids))
+        accepted, dropped = screen(replies, self.weighted_by_key, (self.train_loss_key,),
+                                   by_name=self.identity == "name", known=self.names)  # fmt: skip
+        self.names.update({r.node: r.name for r in accepted})
+        for name, reason in dropped.items():
+            log(WARNING, "initial report: dropped node %s: %s", name, reason)
+        if accepted:
+            self.rule.observe(
+                [self._key(r) for r in accepted],
+                [r.number(self.weighted_by_key) for r in accepted],
+                {"train_loss": torch.tensor([r.number(self.train_loss_key) for r in accepted])},
+            )
+            log(INFO, "initial report: %s from %d nodes", self.train_loss_key, len(accepted))
         self._observed = True
-
-    def _metrics(self, msg: Message, required: Iterable[str]) -> dict[str, float]:
-        if msg.has_error():
-            raise MalformedReply(f"the client reported an error: {msg.error.reason}")
-        records = list(msg.content.metric_records.values())
-        if len(records) != 1:
-            raise MalformedReply(f"expected one MetricRecord, got {len(records)}")
-        record = records[0]
-        out = {}
-        for key in (NUM_EXAMPLES, *required):
-            if key not in record:
-                raise MalformedReply(f"metric {key!r} missing (has {sorted(record.keys())})")
-            value = record[key]
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise MalformedReply(f"metric {key!r} must be a number, got {value!r}")
-            out[key] = float(value)
-        if not (math.isfinite(out[NUM_EXAMPLES]) and out[NUM_EXAMPLES] >= 0):
-            raise MalformedReply(f"num-examples must be a non-negative count, got {out[NUM_EXAMPLES]!r}")
-        for key, value in record.items():
-            if key not in out and isinstance(value, int | float) and not isinstance(value, bool):
-                out[key] = float(value)
-        return out
-
-    def _screen(
-        self, replies: Iterable[Message]
-    ) -> tuple[list[tuple[int, torch.Tensor, dict]], dict[int, str]]:
-        accepted, dropped = [], {}
-        for msg in replies:
-            node = msg.metadata.src_node_id
-            try:
-                metrics = self._metrics(msg, getattr(self.rule, "requires", ()))
-                if self.arrayrecord_key not in msg.content.array_records:
-                    raise MalformedReply(f"no ArrayRecord {self.arrayrecord_key!r} in the reply")
-                vector = self.layout.flatten(msg.content.array_records[self.arrayrecord_key])
-            except MalformedReply as exc:
-                dropped[node] = str(exc)
-                log(WARNING, "aggregate_train: dropped the reply of node %s: %s", node, exc)
-                continue
-            accepted.append((node, vector, metrics))
-        return accepted, dropped
 
     def _reference(self) -> Callable[[torch.Tensor], float] | None:
         if self.model is None or self.benchmark is None:
@@ -186,99 +302,131 @@ class TrustStrategy(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        t = server_round + self._offset
         replies = list(replies)
-        accepted, dropped = self._screen(replies)
-        record: dict[str, Any] = {
-            "round": server_round,
-            "received": len(replies),
-            "dropped": {str(k): v for k, v in dropped.items()},
-        }
+        required = [
+            self.train_loss_key if k == "train_loss" else k for k in getattr(self.rule, "requires", ())
+        ]
+        accepted, dropped = screen(replies, self.weighted_by_key, required, self.layout,
+                                   self.identity == "name", self.names)  # fmt: skip
         log(INFO, "aggregate_train: %d replies, %d dropped", len(replies), len(dropped))
+        for name, reason in dropped.items():
+            log(WARNING, "aggregate_train: dropped the reply of %s: %s", name, reason)
+        self.names.update({r.node: r.name for r in accepted})
+        names = display_names(accepted)
+        record = self._pending = _empty_record(t)
+        record.update(
+            received=len(replies), dropped=dropped, clients=names, node_ids=[r.node for r in accepted]
+        )
         if not accepted:
-            log(WARNING, "aggregate_train: no usable reply of %d; the global model stays", len(replies))
-            return self._finish(record, None, "no usable reply")
-        nodes = [a[0] for a in accepted]
-        shared = set.intersection(*(set(a[2]) for a in accepted)) - {NUM_EXAMPLES}
+            return self._keep(record, "no usable reply")
+        counts = [r.number(self.weighted_by_key) for r in accepted]
+        metrics = {
+            k: [r.number(k) for r in accepted] for k in _numbers_in_all(accepted, self.weighted_by_key)
+        }
+        if self.train_loss_key in metrics:
+            metrics["train_loss"] = metrics[self.train_loss_key]
         round_ = Round(
-            updates=torch.stack([a[1] for a in accepted]) - self.global_vector,
-            client_ids=nodes,
-            num_samples=[a[2][NUM_EXAMPLES] for a in accepted],
-            metrics={k: [a[2][k] for a in accepted] for k in shared},
+            updates=torch.stack([r.vector for r in accepted]) - self.global_vector,
+            client_ids=[self._key(r) for r in accepted],
+            num_samples=counts,
+            metrics=metrics,
             reference=self._reference(),
         )
         step = server_step(self.rule, round_, self.global_vector, lambda delta: self.global_vector + delta)
+        corrupted = [name in self.corrupted for name in names]
+        record.update(num_samples=counts, corrupted=corrupted, weights=step.weights,
+                      train_loss=metrics.get("train_loss"), quarantined=step.quarantined, info=step.info,
+                      auroc=None if step.error else detection_auroc(step.weights, corrupted))  # fmt: skip
         if not step.applied:
-            log(WARNING, "aggregate_train: no update applied, the global model stays: %s", step.error)
-            return self._finish(record, None, step.error)
-        vector, out = step.vector, step.aggregate
-        if "posterior_var" in out.info:
-            self.posterior_var = out.info["posterior_var"].detach().float()
-        weights = step.weights
-        counts = round_.num_samples
-        metrics = {k: float((round_.metrics[k] * counts).sum() / counts.sum().clamp_min(1)) for k in shared}
-        quarantined = step.quarantined
-        metrics.update(
-            {
-                "trust-node-ids": nodes,
-                "trust": weights,
-                "dropped": len(dropped),
-                "quarantined": len(quarantined),
-            }
-        )
-        record["trust"] = {str(n): w for n, w in zip(nodes, weights, strict=True)}
-        record["quarantined"] = quarantined
-        warning = step.warning  # the rule's estimator stopped at max_iter before converging
-        if warning is not None:
-            record["warning"] = warning
-            log(WARNING, "aggregate_train: round %d: %s", server_round, warning)
-        self._finish(record, metrics, None)
-        return self.layout.unflatten(vector), MetricRecord(metrics)
+            return self._keep(record, step.error)
+        if "posterior_var" in step.aggregate.info:
+            self.posterior_var = step.aggregate.info["posterior_var"].detach().float()
+        if step.warning is not None:  # the rule's estimator stopped at max_iter before converging
+            record["warning"] = step.warning
+            log(WARNING, "aggregate_train: round %d: %s", t, step.warning)
+        self.global_vector = step.vector
+        aggregated = self._aggregate_metrics(accepted, self.train_metrics_aggr_fn, "aggregate_train")
+        trust = {f"trust/{name}": w for name, w in zip(names, step.weights, strict=True)}
+        out = {**aggregated, **trust, "dropped": len(dropped), "quarantined": len(step.quarantined)}
+        record["train_metrics"] = out
+        return self.layout.unflatten(step.vector), MetricRecord(out)
 
-    def _finish(self, record: dict, metrics: dict | None, error: str | None):
+    def _keep(self, record: dict[str, Any], error: str) -> tuple[ArrayRecord, MetricRecord]:
+        """A round with nothing to apply: the previous model again (Flower's result would otherwise hold no
+        arrays), and why."""
+        log(WARNING, "aggregate_train: round %d: the global model stays: %s", record["round"], error)
         record["error"] = error
-        self.history.append(record)
-        if self.history_path is not None:
-            self.history_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.history_path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
-        if self.state_path is not None:
-            save_state(self.state_path, self.rule.state_dict())
-        if error is not None:  # the previous model again: Flower's Result would otherwise hold no arrays
-            previous = self.layout.unflatten(self.global_vector)
-            return previous, MetricRecord({"dropped": len(record["dropped"])})
-        return None
+        record["train_metrics"] = {"dropped": len(record["dropped"])}
+        return self.layout.unflatten(self.global_vector), MetricRecord(record["train_metrics"])
+
+    def _aggregate_metrics(self, accepted: list[Reply], aggregate: MetricsAggregation, where: str) -> dict:
+        """The replies' MetricRecords through Flower's aggregation function (``FedAvg``'s by default), on
+        the keys every reply has in one form; nothing when the counts sum to zero (nothing to weight by)."""
+        if sum(r.number(self.weighted_by_key) for r in accepted) <= 0:
+            log(WARNING, "%s: every reply has %s = 0; no metrics to aggregate", where, self.weighted_by_key)
+            return {}
+        contents, left_out = shared_metrics(accepted)
+        if left_out:
+            log(WARNING, "%s: metrics not every reply has in one form were left out: %s", where, left_out)
+        return dict(aggregate(contents, self.weighted_by_key))
 
     # ------------------------------------------------------------------ evaluation
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        messages = list(super().configure_evaluate(server_round, arrays, config, grid))
-        if self.posterior_var is not None and self.layout is not None:
-            for message in messages:
-                message.content[POSTERIOR_VAR] = self.layout.unflatten(self.posterior_var)
-        return messages
+        return self._with_posterior(list(super().configure_evaluate(server_round + self._offset, arrays,
+                                                                    config, grid)))  # fmt: skip
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Sample-weighted means of the numeric metrics, skipping (and logging) unusable replies."""
-        totals: dict[str, float] = {}
-        weights: dict[str, float] = {}
-        for msg in replies:
-            try:
-                metrics = self._metrics(msg, ())
-            except MalformedReply as exc:
-                log(
-                    WARNING,
-                    "aggregate_evaluate: dropped the reply of node %s: %s",
-                    msg.metadata.src_node_id,
-                    exc,
-                )
-                continue
-            n = metrics.pop(NUM_EXAMPLES)
-            for key, value in metrics.items():
-                if math.isfinite(value):
-                    totals[key] = totals.get(key, 0.0) + n * value
-                    weights[key] = weights.get(key, 0.0) + n
-        if not totals:
+        """``evaluate_metrics_aggr_fn`` over the usable replies (unusable ones skipped and logged)."""
+        accepted, dropped = screen(replies, self.weighted_by_key, known=self.names)
+        for name, reason in dropped.items():
+            log(WARNING, "aggregate_evaluate: dropped the reply of %s: %s", name, reason)
+        if not accepted:
             return None
-        return MetricRecord({k: totals[k] / weights[k] for k in totals if weights[k] > 0})
+        metrics = self._aggregate_metrics(accepted, self.evaluate_metrics_aggr_fn, "aggregate_evaluate")
+        if self._pending is not None:
+            self._pending["evaluate_metrics"] = metrics
+        return MetricRecord(metrics)
+
+
+def _empty_record(t: int) -> dict[str, Any]:
+    return {"round": t, "received": 0, "dropped": {}, "clients": [], "node_ids": [], "num_samples": [],
+            "corrupted": [], "weights": [], "train_loss": None, "auroc": None, "quarantined": {}, "info": {},
+            "error": None, "metrics": None}  # fmt: skip
+
+
+def _numbers_in_all(replies: list[Reply], weighted_by_key: str) -> list[str]:
+    """The metrics every reply holds as a number, but the sample count."""
+    keys = set.intersection(*(set(r.metrics) for r in replies)) - {weighted_by_key}
+    return sorted(
+        k for k in keys
+        if all(isinstance(r.metrics[k], int | float) and not isinstance(r.metrics[k], bool) for r in replies)
+    )  # fmt: skip
+
+
+def _options(rule: Any) -> dict[str, Any]:
+    options = getattr(rule, "options", None)
+    return dict(options()) if callable(options) else {}
+
+
+def _check_options(given: dict[str, Any]) -> None:
+    """FedAvg's options as it documents them, and fedtrust's, refused by name when out of range."""
+    for key in ("fraction_train", "fraction_evaluate"):
+        value = given[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"TrustStrategy: {key} must be a fraction in [0, 1], got {value!r}")
+    for key in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"):
+        value = given[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"TrustStrategy: {key} must be a whole number >= 0, got {value!r}")
+    for key in ("weighted_by_key", "arrayrecord_key", "configrecord_key", "train_loss_key"):
+        if not isinstance(given[key], str) or not given[key]:
+            raise ValueError(f"TrustStrategy: {key} must be a non-empty string, got {given[key]!r}")
+    if given["identity"] not in IDENTITIES:
+        raise ValueError(f"TrustStrategy: identity must be one of {IDENTITIES}, got {given['identity']!r}")
+    if not (isinstance(given["query_timeout"], int | float) and math.isfinite(given["query_timeout"])
+            and given["query_timeout"] > 0):  # fmt: skip
+        raise ValueError(f"TrustStrategy: query_timeout must be seconds > 0, got {given['query_timeout']!r}")

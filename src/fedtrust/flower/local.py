@@ -1,0 +1,145 @@
+"""Flower processes that end with the run that started them.
+
+``flwr run`` on the default local connection starts a SuperLink that it leaves running after the run (by
+design: the next ``flwr run`` reuses it). :func:`simulate` (``fedtrust flower-run``) runs an app in
+Flower's simulation engine on a SuperLink of its own instead: on free loopback ports, under a private
+``FLWR_HOME``, stopped with everything it started (the SuperExec, the simulation, the ServerApp) when the
+run ends, fails or is interrupted. :class:`Processes` is the bookkeeping, also used by the loopback
+integration test for a SuperLink and SuperNodes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+NUL = b"\0"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """Process groups started with ``FLWR_HOME=home`` (and this interpreter's scripts first on PATH);
+    :meth:`stop` ends them and every process that carries that ``FLWR_HOME``."""
+
+    def __init__(self, home: Path, logs: Path):
+        self.home, self.logs = Path(home), Path(logs)
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "FLWR_HOME": str(self.home), "FLWR_DISABLE_UPDATE_CHECK": "1",
+                    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+                    "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}  # fmt: skip
+        self.started: list[tuple[subprocess.Popen, Path]] = []
+
+    def start(self, name: str, command: Sequence[str]) -> Path:
+        """Start ``command`` in a session of its own, its output to ``<logs>/<name>.log``; the log's path."""
+        log = self.logs / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(list(command), stdout=fh, stderr=subprocess.STDOUT, env=self.env,
+                                    cwd=self.logs, start_new_session=True)  # fmt: skip
+        self.started.append((proc, log))
+        return log
+
+    def flwr(
+        self, *args: str, timeout: float | None = 60, capture: bool = True
+    ) -> subprocess.CompletedProcess:
+        """The ``flwr`` CLI with this ``FLWR_HOME`` (its connections are in ``<home>/config.toml``)."""
+        return subprocess.run([str(BIN / "flwr"), *args], env=self.env, cwd=self.logs, text=True,
+                              capture_output=capture, timeout=timeout)  # fmt: skip
+
+    def wait(self, ready: Callable[[], object], what: str, timeout: float = 90) -> None:
+        """Until ``ready()`` is true; raises naming the process that exited first (with its log's end)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for proc, log in self.started:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{log.stem} exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+                    )
+            if ready():
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"{what} did not come up in {timeout} s")
+
+    def alive(self) -> list[str]:
+        """Processes still running with this ``FLWR_HOME`` (SuperExecs and app processes the started ones
+        spawned included), as ``pid: command``."""
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+                status = Path(f"/proc/{pid}/status").read_text()
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"FLWR_HOME={self.home}".encode() in environ.split(b"\0") and "State:\tZ" not in status:
+                found.append(f"{pid}: {command.replace(NUL, b' ').decode(errors='replace')[:120]}")
+        return found
+
+    def stop(self, grace: float = 10.0) -> list[str]:
+        """SIGTERM to every started process group, SIGKILL after ``grace`` seconds to what remains (and to
+        any other process with this ``FLWR_HOME``); returns what is still alive after that (nothing,
+        normally)."""
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            for proc, _ in self.started:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+            if sig == signal.SIGKILL:
+                for line in self.alive():
+                    try:
+                        os.kill(int(line.split(":")[0]), sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and (
+                any(p.poll() is None for p, _ in self.started) or self.alive()
+            ):
+                time.sleep(0.2)
+            if not self.alive():
+                break
+        return self.alive()
+
+
+def simulate(app: str | Path, nodes: int, run_config: str | None = None, logs: Path | None = None) -> int:
+    """``flwr run APP --stream`` in Flower's simulation engine with ``nodes`` SuperNodes, on a SuperLink
+    started for it and stopped (with everything it started) when the run ends; the exit status of
+    ``flwr run``. The SuperLink's log goes to ``logs`` (default: a temporary folder, removed)."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"nodes must be a whole number >= 1, got {nodes!r}")
+    if not (Path(app) / "pyproject.toml").is_file():
+        raise ValueError(f"app {app}: no pyproject.toml there (give the folder of a Flower app)")
+    with tempfile.TemporaryDirectory(prefix="fedtrust-flower-") as tmp:
+        procs = Processes(Path(tmp) / "flwr-home", Path(logs) if logs else Path(tmp))
+        port = free_port()
+        try:
+            procs.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--isolation",
+                                      "subprocess", "--host", "127.0.0.1", "--port", str(port),
+                                      "--control-api-address", f"127.0.0.1:{free_port()}"])  # fmt: skip
+            connection = f'address = "127.0.0.1:{port}"\ninsecure = true\n'
+            (procs.home / "config.toml").write_text(
+                f'[superlink]\ndefault = "local"\n\n[superlink.local]\n{connection}'
+            )
+            procs.wait(lambda: procs.flwr("list", "local").returncode == 0, "the SuperLink")
+            command = ["run", str(Path(app).resolve()), "local", "--stream",
+                       "--federation-config", f"num-supernodes={nodes}"]  # fmt: skip
+            if run_config:
+                command += ["--run-config", run_config]
+            return procs.flwr(*command, timeout=None, capture=False).returncode
+        finally:
+            left = procs.stop()
+            if left:
+                print(f"fedtrust flower-run: processes still running: {left}", file=sys.stderr)

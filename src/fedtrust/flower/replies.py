@@ -1,0 +1,155 @@
+"""Flower replies read into what a fedtrust round needs, each one left out with the reason why.
+
+A reply is usable as Flower's ``FedAvg`` expects it (``validate_message_reply_consistency``): no error,
+exactly one MetricRecord holding the ``weighted_by_key`` count as a single number, and for training
+exactly one ArrayRecord (whatever its key) that fits the global model. Where ``FedAvg`` ends the round
+with ``InconsistentMessageReplies``, a :class:`TrustStrategy` drops the one reply and goes on.
+
+A node names itself in an optional ConfigRecord ``fedtrust-node`` (``{"name": "hospital-a"}``, what
+:func:`fedtrust.flower.trust_client_app` sends: its node config's ``node-name``, else
+``partition-<partition-id>``); without one it is named by its Flower node id. A name is what an operator
+reads in logs and reports. It is the node's own claim, so it keys trust only when the strategy is told
+to (``identity="name"``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from flwr.app import Message, MetricRecord, RecordDict
+
+from fedtrust.flower.arrays import ArrayLayout, MalformedReply
+
+#: The reply's ConfigRecord in which a node gives its name, and the longest name taken.
+NODE_RECORD, NAME_LIMIT = "fedtrust-node", 64
+
+
+@dataclass
+class Reply:
+    """A usable reply: who sent it, its metrics (numbers and lists of numbers), its content as received,
+    and for training its model as a flat vector."""
+
+    node: int
+    name: str
+    metrics: dict[str, Any]
+    content: RecordDict
+    vector: torch.Tensor | None = None
+
+    def number(self, key: str) -> float:
+        return float(self.metrics[key])
+
+
+def node_name(msg: Message) -> str:
+    """The name the node gives in its ``fedtrust-node`` ConfigRecord, or its node id as text when it gives
+    none (or one that is not a short printable string)."""
+    record = msg.content.config_records.get(NODE_RECORD) if not msg.has_error() else None
+    name = record.get("name") if record is not None else None
+    if isinstance(name, str) and 0 < len(name) <= NAME_LIMIT and name.isprintable() and name.strip() == name:
+        return name
+    return str(msg.metadata.src_node_id)
+
+
+def read_reply(
+    msg: Message, weighted_by_key: str, required: Sequence[str] = (), layout: ArrayLayout | None = None
+) -> Reply:
+    """The reply as a :class:`Reply`; raises :class:`MalformedReply` saying what is wrong with it.
+    ``required`` are metric keys that must hold a number; with a ``layout`` the reply's one ArrayRecord
+    is flattened against it."""
+    if msg.has_error():
+        raise MalformedReply(f"the client reported an error: {msg.error.reason}")
+    records = msg.content.metric_records
+    if len(records) != 1:
+        raise MalformedReply(f"expected one MetricRecord, got {len(records)} ({sorted(records)})")
+    metrics = dict(next(iter(records.values())))
+    for key in (weighted_by_key, *required):
+        if key not in metrics:
+            raise MalformedReply(f"metric {key!r} missing (has {sorted(metrics)})")
+        value = metrics[key]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise MalformedReply(f"metric {key!r} must be a number, got {value!r}")
+    count = float(metrics[weighted_by_key])
+    if not (math.isfinite(count) and count >= 0):
+        raise MalformedReply(f"{weighted_by_key} must be a non-negative count, got {count!r}")
+    vector = None
+    if layout is not None:
+        arrays = msg.content.array_records
+        if len(arrays) != 1:
+            raise MalformedReply(f"expected one ArrayRecord, got {len(arrays)} ({sorted(arrays)})")
+        vector = layout.flatten(next(iter(arrays.values())))
+    return Reply(msg.metadata.src_node_id, node_name(msg), metrics, msg.content, vector)
+
+
+def screen(
+    replies: Iterable[Message],
+    weighted_by_key: str,
+    required: Sequence[str] = (),
+    layout: ArrayLayout | None = None,
+    by_name: bool = False,
+    known: dict[int, str] | None = None,
+) -> tuple[list[Reply], dict[str, str]]:
+    """The usable replies, and for each one left out its sender's name -> the reason (a reply without a
+    name, e.g. an error, goes under the name its node gave last, in ``known``, else its node id). With
+    ``by_name`` (trust keyed by names) a second reply under a name already taken this round is left
+    out."""
+    accepted: list[Reply] = []
+    dropped: dict[str, str] = {}
+    taken: dict[str, int] = {}
+    for msg in replies:
+        try:
+            reply = read_reply(msg, weighted_by_key, required, layout)
+            if by_name and reply.name in taken:
+                raise MalformedReply(
+                    f"name {reply.name!r} is already taken this round by node {taken[reply.name]}"
+                )
+        except MalformedReply as exc:
+            node = msg.metadata.src_node_id
+            name = node_name(msg)
+            name = (known or {}).get(node, name) if name == str(node) else name
+            dropped[_label(name, node, dropped)] = str(exc)
+            continue
+        taken[reply.name] = reply.node
+        accepted.append(reply)
+    return accepted, dropped
+
+
+def display_names(replies: Sequence[Reply]) -> list[str]:
+    """One name per reply, unique within the round: a name two nodes claim gets the node id added."""
+    seen: dict[str, int] = {}
+    for r in replies:
+        seen[r.name] = seen.get(r.name, 0) + 1
+    return [r.name if seen[r.name] == 1 else f"{r.name} (node {r.node})" for r in replies]
+
+
+def _label(name: str, node: int, taken: dict[str, str]) -> str:
+    return name if name not in taken else f"{name} (node {node})"
+
+
+def shared_metrics(replies: Sequence[Reply]) -> tuple[list[RecordDict], list[str]]:
+    """The replies' contents with each MetricRecord cut to the keys every reply has in the same form
+    (a number, or a list of numbers of one length), as Flower's metric aggregation functions need; and
+    the keys left out. When the replies agree (the normal case) the contents go through as received."""
+    forms = [{k: _form(v) for k, v in r.metrics.items()} for r in replies]
+    keys = [k for k in forms[0] if forms[0][k] is not None and all(f.get(k) == forms[0][k] for f in forms)]
+    left_out = sorted(set().union(*forms) - set(keys))
+    if not left_out:
+        return [r.content for r in replies], []
+    contents = []
+    for r in replies:
+        content = RecordDict(dict(r.content.items()))
+        (record_key,) = r.content.metric_records
+        content[record_key] = MetricRecord({k: r.metrics[k] for k in keys})
+        contents.append(content)
+    return contents, left_out
+
+
+def _form(value: Any) -> str | int | None:
+    """``"number"``, a list's length, or None for anything Flower's aggregation cannot average."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return "number"
+    if isinstance(value, list) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+        return len(value)
+    return None

@@ -1,0 +1,105 @@
+"""A Flower strategy's run directory, in the simulator's layout, so that ``fedtrust report`` reads it.
+
+    manifest.json           the rule and strategy options, status (running, finished), final metrics
+    rounds.jsonl            one JSON record per finished round: trust per node (by name and node id),
+                            drops with reasons, quarantines, the round's metrics, the rule's diagnostics
+    checkpoint.safetensors  the global model, the rule's state, the node names, after the newest round
+
+A restarted SuperLink that runs the ServerApp again with the same directory goes on from the checkpoint
+(the model, the reputations, the round number), so ``num_rounds`` counts rounds in all. Files are written
+atomically and read without running code (:mod:`fedtrust.checkpoint`); a damaged checkpoint is refused
+by name, never half-read.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from logging import WARNING
+from pathlib import Path
+from typing import Any
+
+from flwr.supercore import log
+
+from fedtrust.checkpoint import CorruptFileError
+from fedtrust.sim.store import RunStore, now
+
+REMEDY = "give the strategy another run_dir, or delete this one to start over"
+
+
+class RunDirectory:
+    """The strategy's run directory: what it holds, and what it resumes from."""
+
+    def __init__(self, directory: str | Path, config: dict[str, Any]):
+        self.store = RunStore(directory)
+        self.config = config
+        self.began = time.perf_counter()
+
+    def lock(self):
+        return self.store.lock()
+
+    def resume(self, size: int) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """The records of the rounds done and the checkpoint after the last of them ((), None for a new
+        run). A damaged newest checkpoint gives way to the one before it (logged); a directory of another
+        rule or strategy setting, or of a model of another size, is refused."""
+        manifest = self.store.manifest()
+        if manifest is None:
+            return [], None
+        had = {k: (manifest.get("config") or {}).get(k) for k in ("rule", "strategy")}
+        if had != _plain({k: self.config[k] for k in ("rule", "strategy")}):
+            raise ValueError(
+                f"{self.store.dir} holds a run of {had}, not of this strategy "
+                f"({ {k: self.config[k] for k in ('rule', 'strategy')} }); {REMEDY}"
+            )
+        records, problem = self.store.read_rounds()
+        faults = []
+        for path, state, fault in self.store.checkpoints():
+            done = state.get("round") if state is not None else None
+            if fault is None and (not isinstance(done, int) or len(records) < done):
+                fault = (
+                    f"{path} is after round {done!r} but {self.store.rounds_path} reads back {len(records)}"
+                )
+                fault += f" ({problem})" if problem else ""
+            if fault is not None:
+                faults.append(fault)
+                continue
+            if tuple(state["vector"].shape) != (size,):
+                raise ValueError(
+                    f"{path} holds a model of {state['vector'].numel()} values, this one has {size}; {REMEDY}"
+                )
+            for fault in faults:
+                log(WARNING, "run_dir: %s; resuming from round %d", fault, done)
+            return records[:done], state
+        if faults:
+            raise CorruptFileError(f"{'; '.join(faults)}; {REMEDY}")
+        return [], None
+
+    def start(self, rounds: int, records: list[dict[str, Any]]) -> None:
+        """Mark the run running for ``rounds`` rounds in all, keeping the records of the rounds done."""
+        manifest = self.store.manifest() if records else None
+        if manifest is None:
+            manifest = {"experiment": "flower", "run": self.store.dir.name, "started": now()}
+        self.store.write_rounds(records)
+        config = {**self.config, "train": {"mode": "params", "rounds": rounds}}
+        self.store.write_manifest({**manifest, "status": "running", "config": config})
+
+    def commit(self, record: dict[str, Any], checkpoint: dict[str, Any]) -> None:
+        """The round's record, then the checkpoint after it (a crash between them redoes the round)."""
+        self.store.append_round(record)
+        self.store.save_checkpoint(checkpoint)
+
+    def finish(self, records: list[dict[str, Any]], rounds: int) -> None:
+        metrics = next((r["metrics"] for r in reversed(records) if r.get("metrics")), None)
+        failed = bool(records) and all(r.get("error") for r in records)
+        self.store.update_manifest(
+            status="failed" if failed else "finished" if len(records) == rounds else "running",
+            error=f"no round could be aggregated ({records[0]['error']})" if failed else None,
+            finished=now(),
+            final=metrics,
+            seconds=(self.store.manifest() or {}).get("seconds", 0.0) + time.perf_counter() - self.began,
+        )
+
+
+def _plain(tree: Any) -> Any:
+    """``tree`` as it reads back from the manifest's JSON."""
+    return json.loads(json.dumps(tree, default=str))

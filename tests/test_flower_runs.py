@@ -1,0 +1,141 @@
+"""What an operator keeps of a Flower run: trust per named node, a run directory ``fedtrust report``
+reads, state that survives a SuperLink restart, and the history of a node that leaves and rejoins."""
+
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+flwr = pytest.importorskip("flwr")
+from flower_grid import InProcessGrid, federation, initial, run, server_identity  # noqa: E402, F401
+
+from fedtrust.checkpoint import CorruptFileError  # noqa: E402
+from fedtrust.flower import TrustStrategy, trust_client_app  # noqa: E402
+from fedtrust.report import load_runs, write_report  # noqa: E402
+
+QUIET = {"fraction_evaluate": 0.0, "min_available_nodes": 4}
+
+
+def test_the_run_directory_is_a_run_the_report_reads(tmp_path):
+    """Named nodes, the known corrupted one scored by detection AUROC, server accuracy per round."""
+    strategy = TrustStrategy(rule="ivar_vb", run_dir=tmp_path / "run", corrupted=["partition-2"], **QUIET)
+    grid = federation(bad={2: {"fedtrust-corruption": "random_labels"}})
+    evaluate = lambda t, arrays: flwr.app.MetricRecord({"accuracy": 0.5 + t / 10})  # noqa: E731
+    strategy.start(grid=grid, initial_arrays=initial(), num_rounds=3, evaluate_fn=evaluate)
+    (found,) = load_runs(tmp_path)
+    assert (
+        found.status == "finished" and found.rule.startswith("ivar_vb(window=10,") and found.problem is None
+    )
+    assert found.curve() == ([1, 2, 3], [0.6, 0.7, 0.8])
+    last = found.rounds[-1]
+    assert sorted(last["clients"]) == [f"partition-{k}" for k in range(4)]
+    assert sorted(last["node_ids"]) == [100, 101, 102, 103]
+    assert found.mean_auroc() == 1.0 and found.corrupted_weight() < 0.05
+    report = write_report(tmp_path, tmp_path / "report", load_runs(tmp_path)).read_text()
+    assert "ivar_vb" in report and "1.00" in report
+
+
+def test_a_restarted_superlink_goes_on_from_the_checkpoint(tmp_path):
+    """Two rounds, a restart (a new strategy, the same run_dir), two more: the model, the reputations and
+    the round numbers go on, and the result equals four rounds without a restart."""
+    straight = run(TrustStrategy(rule="ivar_vb", **QUIET), federation(), rounds=4)
+    run(TrustStrategy(rule="ivar_vb", run_dir=tmp_path / "run", **QUIET), federation(), rounds=2)
+    sent = []
+    grid = federation()
+    send = grid.send_and_receive
+    grid.send_and_receive = lambda messages, timeout=None: send(
+        sent.extend(int(m.content["config"]["server-round"]) for m in messages) or messages, timeout
+    )
+    again = TrustStrategy(rule="ivar_vb", run_dir=tmp_path / "run", **QUIET)
+    result = run(again, grid, rounds=4)
+    assert sent == [3] * 4 + [4] * 4
+    for name in straight.arrays.keys():
+        np.testing.assert_allclose(result.arrays[name].numpy(), straight.arrays[name].numpy(), rtol=0,
+                                   atol=16 * np.finfo(np.float32).eps)  # fmt: skip
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3, 4]
+    assert [r["round"] for r in again.history] == [1, 2, 3, 4]
+    lines = (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == [1, 2, 3, 4]
+    # a finished run is not trained again; another rule or fewer rounds is refused by name
+    done = TrustStrategy(rule="ivar_vb", run_dir=tmp_path / "run", **QUIET)
+    sent.clear()
+    assert sorted(run(done, grid, rounds=4).train_metrics_clientapp) == [1, 2, 3, 4] and not sent
+    with pytest.raises(ValueError, match="holds 4 rounds already; ask for num_rounds >= 4"):
+        run(TrustStrategy(rule="ivar_vb", run_dir=tmp_path / "run", **QUIET), grid, rounds=3)
+    with pytest.raises(ValueError, match="holds a run of .*ivar_vb.* not of this strategy .*median"):
+        run(TrustStrategy(rule="median", run_dir=tmp_path / "run", **QUIET), grid, rounds=5)
+
+
+def test_a_checkpoint_cannot_run_code_and_a_damaged_one_is_named(tmp_path):
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
+    run(TrustStrategy(rule="ivar_vb", run_dir=tmp_path / "run", **QUIET), federation(), rounds=1)
+    checkpoint = tmp_path / "run" / "checkpoint.safetensors"
+    checkpoint.write_bytes(pickle.dumps(Planted()))
+    with pytest.raises(CorruptFileError, match=f"{checkpoint}: not a readable fedtrust state file.*delete"):
+        run(TrustStrategy(rule="ivar_vb", run_dir=tmp_path / "run", **QUIET), federation(), rounds=2)
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("identity", ["node-id", "name"])
+def test_a_node_that_leaves_and_rejoins_keeps_its_history(identity):
+    """Node 103 (partition 3) is gone in round 2 and back in round 3: by node id when it keeps its id
+    (a SuperNode with its registered key), by name when it comes back as a new node (id 203)."""
+    grid = federation()
+    back = 103 if identity == "node-id" else 203
+    key = 103 if identity == "node-id" else "partition-3"
+    noise = {}
+
+    def evaluate(t, arrays):
+        noise[t] = dict(strategy.rule.state_dict().get("clients", {}))
+        if t == 1:
+            grid.offline = {103}
+        if t == 2 and back == 103:
+            grid.offline = set()
+        if t == 2 and back == 203:
+            grid.nodes[203] = grid.nodes[103]
+        return None
+
+    strategy = TrustStrategy(rule="ivar_vb", identity=identity, fraction_evaluate=0.0, min_available_nodes=3)
+    strategy.start(grid=grid, initial_arrays=initial(), num_rounds=3, evaluate_fn=evaluate)
+    assert [len(r["clients"]) for r in strategy.history] == [4, 3, 4]
+    assert key in noise[1] and noise[2][key] == noise[1][key]  # kept while away
+    assert noise[3][key] != noise[1][key]  # and updated when back, from where it was
+    assert strategy.history[2]["node_ids"].count(back) == 1
+    assert "partition-3" in strategy.trust()
+
+
+def test_names_are_unique_in_reports_and_a_claimed_name_is_not_taken_twice():
+    app = trust_client_app(lambda ctx: flwr_model(), lambda ctx: _share(ctx))
+    twins = InProcessGrid({100 + k: (app, {"partition-id": k, "node-name": "ward-7" if k < 2 else ""})
+                           for k in range(4)})  # fmt: skip
+    strategy = TrustStrategy(rule="mean", **QUIET)
+    run(strategy, twins, rounds=1)
+    assert sorted(strategy.trust()) == [
+        "partition-2",
+        "partition-3",
+        "ward-7 (node 100)",
+        "ward-7 (node 101)",
+    ]
+    strategy = TrustStrategy(rule="mean", identity="name", fraction_evaluate=0.0, min_available_nodes=4)
+    run(strategy, twins, rounds=1)
+    assert sorted(strategy.trust()) == ["partition-2", "partition-3", "ward-7"]
+    assert "name 'ward-7' is already taken this round by node 10" in next(
+        iter(strategy.history[0]["dropped"].values())
+    )
+
+
+def flwr_model():
+    import torch
+
+    return torch.nn.Linear(64, 10)
+
+
+def _share(ctx):
+    from flower_grid import share
+
+    return share(int(ctx.node_config["partition-id"]))
