@@ -102,7 +102,7 @@ def on_flower(rounds: int) -> dict:
         out = strategy.start(
             grid=grid, initial_arrays=ArrayRecord(model_fn().state_dict()), num_rounds=rounds
         )
-        result.update(history=strategy.history, arrays=out.arrays)
+        result.update(trust=[strategy.trust(t) for t in range(len(strategy.history))], arrays=out.arrays)
 
     run_simulation(server_app=server, client_app=client, num_supernodes=4,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}})  # fmt: skip
@@ -115,8 +115,8 @@ def on_flower(rounds: int) -> dict:
 
     before, after = accuracy(ArrayRecord(model_fn().state_dict())), accuracy(result["arrays"])
     print(f"Flower, {rounds} rounds: accuracy {before:.3f} -> {after:.3f}; trust in the last round:")
-    for node, weight in result["history"][-1]["trust"].items():
-        print(f"  node {node}: {weight:.3f}")
+    for node, weight in result["trust"][-1].items():
+        print(f"  {node}: {weight:.3f}")
     return {**result, "accuracy_before": before, "accuracy_after": after}
 
 

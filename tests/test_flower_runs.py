@@ -25,9 +25,7 @@ def test_the_run_directory_is_a_run_the_report_reads(tmp_path):
     evaluate = lambda t, arrays: flwr.app.MetricRecord({"accuracy": 0.5 + t / 10})  # noqa: E731
     strategy.start(grid=grid, initial_arrays=initial(), num_rounds=3, evaluate_fn=evaluate)
     (found,) = load_runs(tmp_path)
-    assert (
-        found.status == "finished" and found.rule.startswith("ivar_vb(window=10,") and found.problem is None
-    )
+    assert found.status == "finished" and found.rule == "ivar_vb" and found.problem is None
     assert found.curve() == ([1, 2, 3], [0.6, 0.7, 0.8])
     last = found.rounds[-1]
     assert sorted(last["clients"]) == [f"partition-{k}" for k in range(4)]

@@ -122,7 +122,8 @@ class TrustStrategy(FedAvg):
         self.identity = identity
         self.corrupted = {str(c) for c in corrupted}
         self.query_timeout = query_timeout
-        self.run = RunDirectory(run_dir, self._describe()) if run_dir else None
+        given = {"name": rule, **(rule_options or {})} if isinstance(rule, str) else None
+        self.run = RunDirectory(run_dir, self._describe(given)) if run_dir else None
         self.history: list[dict[str, Any]] = []
         self.names: dict[int, str] = {}  # node id -> the name it last gave
         self.layout: ArrayLayout | None = None
@@ -132,11 +133,14 @@ class TrustStrategy(FedAvg):
         self._offset = 0  # rounds done before this start (a resumed run)
         self._pending: dict[str, Any] | None = None
 
-    def _describe(self) -> dict[str, Any]:
+    def _describe(self, given: dict[str, Any] | None) -> dict[str, Any]:
+        """The manifest's config: the rule as given (by name and options, as the simulator's configs
+        name it; a rule object by its name and every option) and the strategy's options."""
         options = ("fraction_train", "fraction_evaluate", "min_train_nodes", "min_evaluate_nodes",
                    "min_available_nodes", "weighted_by_key", "train_loss_key", "identity")  # fmt: skip
         return {
-            "rule": {"name": getattr(self.rule, "name", type(self.rule).__name__), **_options(self.rule)},
+            "rule": given
+            or {"name": getattr(self.rule, "name", type(self.rule).__name__), **_options(self.rule)},
             "strategy": {k: getattr(self, k) for k in options},
         }
 

@@ -111,7 +111,9 @@ def trust_heatmaps(runs: list[Run], path: Path, title: str = "") -> Path:
         for j, rec in enumerate(run.rounds):
             for cid, w in zip(rec["clients"], rec["weights"], strict=True):
                 grid[index[cid], j] = w
-        image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0)
+        rounds = [rec["round"] for rec in run.rounds]
+        extent = (rounds[0] - 0.5, rounds[-1] + 0.5, len(order) - 0.5, -0.5) if rounds else None
+        image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0, extent=extent)
         bad = sum(ids.values())
         if bad:
             ax.axhspan(-0.5, bad - 0.5, xmin=0, xmax=0.012, color="red")
@@ -119,9 +121,12 @@ def trust_heatmaps(runs: list[Run], path: Path, title: str = "") -> Path:
         ax.set_title(f"{rule} ({bad} corrupted on top)", fontsize=9)
         ax.set_xlabel("round")
         ax.set_ylabel("client")
-        ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        if len(order) <= 30:  # few enough to name each client (a Flower node's name, a simulated client-07)
+            ax.set_yticks(range(len(order)), [str(c) for c in order], fontsize=7)
+        else:
+            ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-        fig.colorbar(image, ax=ax, fraction=0.04)
+        fig.colorbar(image, ax=ax, fraction=0.04, label="trust (weight)")
     for ax in list(axes.flat)[len(by_rule) :]:
         ax.axis("off")
     if title:
