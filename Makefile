@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test test-cpus bench lint clean fashion-mnist ivar-icov collusion arfl fedag
+.PHONY: demo test test-cpus docs bench lint clean fashion-mnist ivar-icov collusion arfl fedag
 
 $(STAMP): pyproject.toml constraints.txt setup.py src/fedtrust/aggregators/order_stats.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# API documentation from the docstrings (pdoc) in docs/api; the test suite checks that it builds cleanly.
+docs: $(STAMP)
+	$(BIN)/python docs/build.py docs/api
 
 # The suite on this CPU's own kernels, then as an old x86-64 CPU would run it (no AVX: PyTorch's default
 # kernels, MKL at SSE4.2, OpenBLAS's Prescott kernels): results must not hang on how rounding falls.

@@ -21,7 +21,7 @@ def test_rules_command_lists_every_rule_with_options_and_source():
     for name in available():
         assert name in result.output
     assert "Blanchard" in result.output and "max_iter=100" in result.output
-    assert "pre-aggregators" in result.output and "bucketing" in result.output and "s=2" in result.output
+    assert "Pre-aggregators" in result.output and "bucketing" in result.output and "s=2" in result.output
 
 
 def test_demo_runs_every_rule_and_robust_rules_shut_out_label_flippers(tmp_path):

@@ -8,8 +8,30 @@ from pathlib import Path
 import typer
 
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Federated learning from untrusted sources."
+    add_completion=False,
+    no_args_is_help=True,
+    help="Federated learning from untrusted sources.",
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+#: Listings fit a terminal this wide at most (and the terminal, when narrower).
+LISTING_WIDTH = 100
+
+
+def _version(value: bool) -> None:
+    if value:
+        from fedtrust import __version__
+
+        typer.echo(f"fedtrust {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(
+        False, "--version", "-V", callback=_version, is_eager=True, help="Print fedtrust's version and exit."
+    ),
+) -> None:
+    """Federated learning from untrusted sources."""
 
 
 @app.command()
@@ -203,29 +225,53 @@ def infer(
     typer.echo(f"wrote {consensus_path} and {sources_path}")
 
 
+def _listing(title: str, table_of) -> None:
+    """One registry as a listing: each entry's name and options (with defaults), then what it is (its
+    source or its docstring's first line), wrapped to the terminal (at most LISTING_WIDTH columns)."""
+    import shutil
+    import textwrap
+
+    from fedtrust.registry import options_of
+
+    width = min(shutil.get_terminal_size((LISTING_WIDTH, 24)).columns, LISTING_WIDTH)
+    typer.echo(title)
+    for name, builder in table_of.items():
+        opts = ", ".join(
+            f"{k}" if v is inspect.Parameter.empty else f"{k}={v!r}" for k, v in options_of(builder).items()
+        )
+        about = getattr(builder, "paper", "") or (inspect.getdoc(builder) or "").split("\n\n")[0]
+        typer.echo(textwrap.fill(f"{name}({opts})", width, initial_indent="  ", subsequent_indent="      "))
+        if about:
+            typer.echo(textwrap.fill(" ".join(about.split()), width, initial_indent="      ",
+                                     subsequent_indent="      "))  # fmt: skip
+    typer.echo("")
+
+
 @app.command()
 def rules() -> None:
     """Every registered rule and pre-aggregator, its options with defaults, and its source."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from fedtrust.registry import options_of
     from fedtrust.rules import PRE_AGGREGATORS, RULES
 
-    for title, table_of in (
-        ("fedtrust rules", RULES),
-        ("pre-aggregators (before a rule: nnm+median, or in its option pre)", PRE_AGGREGATORS),
-    ):
-        table = Table(title=title)
-        for col in ("name", "options (default)", "source"):
-            table.add_column(col)
-        for name, builder in table_of.items():
-            opts = ", ".join(
-                f"{k}" if v is inspect.Parameter.empty else f"{k}={v!r}"
-                for k, v in options_of(builder).items()
-            )
-            table.add_row(name, opts or "-", getattr(builder, "paper", ""))
-        Console(width=200).print(table)
+    _listing("Rules (rule: in a config, TrustStrategy(rule=...)):", RULES)
+    _listing("Pre-aggregators (before a rule: nnm+median, or the rule's option pre):", PRE_AGGREGATORS)
+
+
+@app.command()
+def attacks() -> None:
+    """Every update attack and data corruption, its options with defaults, and what it does."""
+    from fedtrust.attacks import ATTACKS
+    from fedtrust.data.corruptions import DATA_CORRUPTIONS
+
+    _listing("Update attacks (corruption.attack in a config):", ATTACKS)
+    _listing("Data corruptions (corruption.name in a config):", DATA_CORRUPTIONS)
+
+
+@app.command()
+def partitioners() -> None:
+    """Every way to split a data set among clients, its options with defaults, and what it does."""
+    from fedtrust.data.partition import PARTITIONERS
+
+    _listing("Partitioners (data.partition in a config):", PARTITIONERS)
 
 
 @app.command("flower-credentials")

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+from sklearn.metrics import roc_auc_score
 
 
 def detection_auroc(weights: Sequence[float], corrupted: Sequence[bool]) -> float | None:
-    """AUROC of "low trust means corrupted": the probability that a random corrupted client got less
-    weight than a random honest one (ties count half). None when a round has only one kind of client."""
-    bad = [w for w, c in zip(weights, corrupted, strict=True) if c]
-    good = [w for w, c in zip(weights, corrupted, strict=True) if not c]
-    if not bad or not good:
+    """AUROC of "low trust means corrupted" (scikit-learn's ``roc_auc_score`` of the corrupted flags
+    against minus the weight): the probability that a random corrupted client got less weight than a
+    random honest one, ties counting half. None when a round has only one kind of client, or a weight
+    is not a number (a refused round)."""
+    if len(weights) != len(corrupted):
+        raise ValueError(f"detection_auroc: {len(weights)} weights but {len(corrupted)} corrupted flags")
+    if all(corrupted) or not any(corrupted) or not all(math.isfinite(w) for w in weights):
         return None
-    wins = sum((b < h) + 0.5 * (b == h) for b in bad for h in good)
-    return wins / (len(bad) * len(good))
+    return float(roc_auc_score([bool(c) for c in corrupted], [-float(w) for w in weights]))
