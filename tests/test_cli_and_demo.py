@@ -2,6 +2,7 @@
 
 import re
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -212,10 +213,17 @@ def test_infer_that_stops_at_max_iter_warns_with_the_remedy_and_still_writes(tmp
     assert re.search(
         r"warning: ivar_mle stopped at its iteration limit \(2 iterations\) without converging: the last "
         r"iteration moved a weight by [0-9.e-]+, above tol 1.42e-14\..*raise max_iter or loosen tol\. "
-        r"\(--max-iter, --tol\)",
+        r"\(rerun with --max-iter 4 or a looser --tol \(e.g. 1e-10\)\)",
         " ".join(result.stderr.split()),
     ), result.stderr
     assert "warning" not in result.stdout
     quiet = runner.invoke(app, ["infer", str(estimates), "--method", "ivar_mle", "--tol", "1e-6",
                                 "--out", str(out)])  # fmt: skip
     assert quiet.exit_code == 0 and "warning" not in quiet.output, quiet.output
+    # IVAR-VB on pure noise (truths with no spread: tau -> 0) needs 475 steps; the default budget has room
+    noise = np.random.default_rng(0).normal(size=(5, 5))  # 475 steps to converge (> 200, the old budget)
+    rows = "\n".join(f"t{i}," + ",".join(f"{v:.17g}" for v in row) for i, row in enumerate(noise.tolist()))
+    estimates = _write(tmp_path / "noise.csv", "task,s0,s1,s2,s3,s4\n" + rows + "\n")
+    done = runner.invoke(app, ["infer", str(estimates), "--method", "ivar_vb", "--out", str(out)])
+    assert done.exit_code == 0 and "warning" not in done.output, done.output
+    assert int(re.search(r"5 sources, (\d+) iterations", done.output).group(1)) > 200, done.output

@@ -9,6 +9,7 @@ import torch
 from conftest import dtype_tol
 from typer.testing import CliRunner
 
+import fedtrust
 from fedtrust._checks import stopping_tol
 from fedtrust.cli import app
 from fedtrust.inference import icov_mle, icov_vb, ivar_mle, ivar_vb
@@ -471,3 +472,15 @@ def test_infer_command_reads_a_csv_and_writes_consensus_and_reliability(tmp_path
     assert reliability["liar"] < min(reliability[s] for s in "abc") / 10
     bad = CliRunner().invoke(app, ["infer", str(path), "--method", "ivar"])
     assert bad.exit_code == 2 and "unknown method 'ivar'" in bad.output
+
+
+def test_ivar_vb_aggregates_its_posterior_mean_not_weights_times_updates():
+    """Eqs 10-11: ybar = sum_j c_j x_j with c_j = (1/sigma_j^2) / (1/tau^2 + sum_i 1/sigma_i^2), which sum
+    to less than 1 (shrinkage to the prior's 0); the trust weights are the c_j normalised."""
+    x = torch.randn(6, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = fedtrust.rule("ivar_vb")(fedtrust.Round(updates=x))
+    c = out.info["clients"]["coefficient"]
+    assert 0 < float(c.sum()) < 1
+    torch.testing.assert_close(out.vector, c @ x)
+    torch.testing.assert_close(out.weights, c / c.sum())
+    assert not torch.allclose(out.vector, out.weights @ x)

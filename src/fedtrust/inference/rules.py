@@ -323,7 +323,13 @@ class IvarMLE(_WindowRule):
 
 class IvarVB(_WindowRule):
     """IVAR-VB (eqs 10-13): prior y ~ N(0, tau^2) with tau^2 learned (eq 12) over the window, sigma_j^2
-    per client (eq 13); the aggregate is the posterior mean. Options: window, max_iter, tol."""
+    per client (eq 13). Options: window, max_iter, tol.
+
+    The aggregate is the posterior mean ybar of q(y) (eqs 10-11), sum_j c_j x_j with coefficients
+    c_j = (1/sigma_j^2) / (1/tau^2 + sum_i 1/sigma_i^2): they sum to less than 1 (the mean shrinks
+    towards the prior's 0, by more when the updates carry little signal against their noise), so it is
+    **not** ``weights @ updates``. ``weights`` are the coefficients normalised to sum to 1 (the trust
+    shares); the coefficients themselves are ``info["clients"]["coefficient"]``."""
 
     name = "ivar_vb"
 
