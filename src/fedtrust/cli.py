@@ -42,6 +42,7 @@ def demo(
     rounds: int = typer.Option(30, min=1, help="Training rounds."),
     seeds: int = typer.Option(3, min=1, help="Seeds per rule."),
     device: str = typer.Option("auto", help="Where the runs compute: auto, cpu, cuda, cuda:<i>, mps, xpu."),
+    jobs: int = typer.Option(1, min=1, help="Runs at once, each in a process of its own."),
 ) -> None:
     """The main job: every rule on digits where 30% of 20 clients flip their labels."""
     from pydantic import ValidationError
@@ -56,7 +57,7 @@ def demo(
         raise _fail(f"--device: {reason}, got {device!r}") from None
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    demo_module.main(out=out, rounds=rounds, seeds=seeds, device=device)
+    demo_module.main(out=out, rounds=rounds, seeds=seeds, device=device, jobs=jobs)
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
@@ -102,6 +103,10 @@ def run(
     device: str = typer.Option(
         None, help="Where runs compute: auto, cpu, cuda, cuda:<i>, mps, xpu (sets train.device)."
     ),
+    jobs: int = typer.Option(1, min=1, help="Runs at once, each in a process of its own."),
+    ray: str = typer.Option(
+        None, help="Run the runs as Ray tasks on the Ray cluster at this address ('auto': the local one)."
+    ),
 ) -> None:
     """Run an experiment config (each run of its sweep). Finished runs of the same config are skipped,
     interrupted ones resume; runs on disk from another config are refused unless --force."""
@@ -121,9 +126,9 @@ def run(
     except (ConfigError, OSError, ValueError) as exc:  # ValueError: a device this machine lacks
         raise _fail(str(exc)) from None
     try:
-        outcomes = run_experiment(cfg, out, progress=progress, force=force)
-    except (ConfigError, ConfigChanged, OSError) as exc:  # OSError: an --out that cannot be written
-        raise _fail(str(exc)) from None
+        outcomes = run_experiment(cfg, out, progress=progress, force=force, jobs=jobs, ray=ray)
+    except (ConfigError, ConfigChanged, OSError, ValueError) as exc:  # OSError: an --out not writable,
+        raise _fail(str(exc)) from None  # ValueError: --ray without Ray, or no cluster at its address
     except RunLocked as exc:
         raise _fail(str(exc), code=1) from None
     _summary(outcomes, out / cfg.name)

@@ -54,7 +54,12 @@ def config(
 
 
 def main(
-    out: str | Path = "results", rounds: int = 30, seeds: int = 3, progress: bool = True, device: str = "auto"
+    out: str | Path = "results",
+    rounds: int = 30,
+    seeds: int = 3,
+    progress: bool = True,
+    device: str = "auto",
+    jobs: int = 1,
 ) -> list[Run]:
     from rich.console import Console
     from rich.table import Table
@@ -64,7 +69,7 @@ def main(
     root = Path(out) / cfg.name
     shutil.rmtree(root, ignore_errors=True)  # the demo always computes afresh
     began = time.perf_counter()
-    run_experiment(cfg, out, progress=progress)
+    run_experiment(cfg, out, progress=progress, jobs=jobs)
     elapsed = time.perf_counter() - began
     runs = load_runs(root)
     rules, _, accuracy = table(runs, Run.final)

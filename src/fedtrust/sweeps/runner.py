@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import traceback
 from dataclasses import dataclass
@@ -174,14 +175,27 @@ def _preflight(runs, root: Path, force: bool) -> tuple[set[str], dict[str, str]]
 
 
 def run_experiment(
-    cfg: ExperimentConfig, out: str | Path, progress: bool = True, force: bool = False
+    cfg: ExperimentConfig,
+    out: str | Path,
+    progress: bool = True,
+    force: bool = False,
+    jobs: int = 1,
+    ray: str | None = None,
 ) -> list[RunOutcome]:
     """Run every run of ``cfg``'s sweep under ``out/<cfg.name>/<label>``. A run is identified by what it
     computes (the hash of its resolved config, and the fedtrust version): a finished run with the same
     identity is skipped, an interrupted one resumes from its last good checkpoint, and one computed from
     another config is refused (:class:`ConfigChanged`) unless ``force`` starts it over. Each run is
     written under its directory's lock (:class:`~fedtrust.sim.store.RunLocked` when another process
-    holds it). A run that fails is recorded and the rest go on."""
+    holds it). A run that fails is recorded and the rest go on.
+
+    ``jobs`` > 1 runs that many runs at once in processes of their own (each with its share of the
+    CPU's threads); ``ray`` (a Ray cluster's address, or ``"auto"``) runs them as Ray tasks on an
+    existing cluster (``ray.init`` already called in this process counts). Each run still writes its
+    own directory under its lock, so skip and resume work as in one process; outcomes come back in the
+    sweep's order."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a whole number >= 1, got {jobs!r}")
     runs = expand(cfg)
     root = Path(out) / cfg.name
     if root.exists() and not root.is_dir():
@@ -190,6 +204,8 @@ def run_experiment(
     datasets = _DatasetCache()
     outcomes: list[RunOutcome] = []
     bar = _Progress(progress, total=sum(c.train.rounds_run for _, c in runs))
+    if jobs > 1 or ray is not None:
+        return _run_parallel(cfg, runs, root, redo, broken, bar, jobs, ray)
     with bar:
         for index, (label, run_cfg) in enumerate(runs):
             store = RunStore(root / label)
@@ -203,6 +219,71 @@ def run_experiment(
                     store.clear()
                 outcomes.append(_run_one(cfg, index, label, run_cfg, store, datasets, bar, rounds))
     return outcomes
+
+
+def _run_parallel(cfg, runs, root: Path, redo: set, broken: dict, bar, jobs: int, ray: str | None):
+    """The runs in a pool of ``jobs`` processes (or Ray's pool on the cluster at ``ray``); the progress
+    bar advances by a run's rounds when it ends."""
+    outcomes: dict[int, RunOutcome] = {}
+    tasks = []
+    for index, (label, run_cfg) in enumerate(runs):
+        if label in broken:
+            outcomes[index] = RunOutcome(label, root / label, "failed", error=broken[label])
+        else:
+            tasks.append(
+                (cfg, index, label, run_cfg, root, label in redo, max(1, (os.cpu_count() or 1) // jobs))
+            )
+    rounds = {label: run_cfg.train.rounds_run for label, run_cfg in runs}
+    with _pool(jobs, ray) as pool, bar:
+        bar.advance(sum(rounds[o.label] for o in outcomes.values()), "")
+        for index, outcome in pool.imap_unordered(_run_task, tasks):
+            outcomes[index] = outcome
+            bar.advance(rounds[outcome.label], outcome.label)
+    return [outcomes[i] for i in sorted(outcomes)]
+
+
+def _pool(jobs: int, ray: str | None):
+    if ray is None:
+        import multiprocessing
+
+        return multiprocessing.get_context("spawn").Pool(jobs)  # a fresh interpreter: no forked torch state
+    try:
+        import ray as ray_module
+        from ray.util.multiprocessing import Pool
+    except ImportError:
+        raise ValueError(
+            "--ray needs Ray: pip install 'fedtrust[flower]' (flwr[simulation] brings it)"
+        ) from None
+    if not ray_module.is_initialized():
+        host, _, port = ray.rpartition(":")
+        if ray != "auto" and port.isdigit():  # an unreachable address: Ray itself retries for minutes
+            import socket
+
+            try:
+                socket.create_connection(
+                    (host.removeprefix("ray://") or "127.0.0.1", int(port)), timeout=5
+                ).close()
+            except OSError as exc:
+                raise ValueError(f"--ray {ray}: no Ray cluster to join there ({exc})") from None
+        try:
+            ray_module.init(address=ray, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise ValueError(f"--ray {ray}: no Ray cluster to join there ({exc})") from None
+    return Pool(processes=jobs if jobs > 1 else None)
+
+
+def _run_task(task) -> tuple[int, RunOutcome]:
+    """One run in a worker (a pool process or a Ray task): under its directory's lock, as in one process."""
+    import torch
+
+    cfg, index, label, run_cfg, root, redo, threads = task
+    torch.set_num_threads(threads)
+    store = RunStore(Path(root) / label)
+    with store.lock():
+        if redo:
+            store.clear()
+        return index, _run_one(cfg, index, label, run_cfg, store, _DatasetCache(), _Progress(False, 0),
+                               run_cfg.train.rounds_run)  # fmt: skip
 
 
 def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds: int) -> RunOutcome:
