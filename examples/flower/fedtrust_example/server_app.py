@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
@@ -17,6 +18,7 @@ def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     dataset, rule = str(cfg["dataset"]), str(cfg["rule"])
     benchmark, (x_test, y_test) = server_data(dataset, int(cfg["benchmark-size"]))
+    torch.manual_seed(int(cfg["seed"]))  # the initial model: the same run gives the same numbers
     model = make_model(dataset, str(cfg["model"]))
     # simulation: the partitions the run config corrupts are known, so the report can score detection
     corrupted = str(cfg.get("fedtrust-corrupted-partitions", "")).replace(",", " ").split()

@@ -141,7 +141,8 @@ def node_name(context: Context) -> str:
 
 class _Nodes:
     """Each node's model and local data, built once per node id; a node whose role names a data
-    corruption gets its training rows corrupted (seeded by ``seed`` and its node id)."""
+    corruption gets its training rows corrupted (seeded by ``seed`` and its partition id, else its node
+    id), so a run's corrupted data is the same whichever node ids the SuperLink hands out."""
 
     def __init__(self, model_fn, data_fn, task: str, seed: int):
         self.model_fn, self.data_fn, self.task, self.seed = model_fn, data_fn, task, seed
@@ -154,7 +155,9 @@ class _Nodes:
             data = self.data_fn(context)
             name = node_role(context).get(CORRUPTION)
             if name:
-                g = torch.Generator().manual_seed(self.seed + int(context.node_id) % 2**31)
+                # by partition where there is one: node ids are drawn anew by every SuperLink
+                who = context.node_config.get("partition-id", context.node_id)
+                g = torch.Generator().manual_seed(self.seed + int(who) % 2**31)
                 x, y = corrupt(
                     data_corruption(str(name)), data.x_train, data.y_train, data.num_classes, 1.0, g
                 )
