@@ -67,6 +67,39 @@ def _as_tensor(field_name: str, value: Any, device: torch.device | None = None) 
     return t if device is None else t.to(device)
 
 
+def _state(model: Any, where: str) -> Mapping[str, torch.Tensor]:
+    if isinstance(model, torch.nn.Module):
+        return model.state_dict(keep_vars=True)
+    if isinstance(model, Mapping) and all(isinstance(v, torch.Tensor) for v in model.values()):
+        return model
+    raise ValueError(f"Round.from_models: {where} must be a torch.nn.Module or a state dict of tensors, "
+                     f"got {type(model).__name__}")  # fmt: skip
+
+
+def _float_entries(model: Any, where: str) -> list[tuple[str, torch.Size]]:
+    """The names and shapes of a model's floating entries, in state_dict order, a tied tensor once."""
+    seen, entries = set(), []
+    for name, tensor in _state(model, where).items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.is_floating_point() and key not in seen:
+            seen.add(key)
+            entries.append((name, tensor.shape))
+    return entries
+
+
+def _flat_entries(model: Any, layout: list[tuple[str, torch.Size]], where: str) -> torch.Tensor:
+    state = _state(model, where)
+    parts = []
+    for name, shape in layout:
+        if name not in state:
+            raise ValueError(f"Round.from_models: {where} has no entry {name!r} (models[0] has it)")
+        if state[name].shape != shape:
+            raise ValueError(f"Round.from_models: {where}[{name!r}] has shape {tuple(state[name].shape)}, "
+                             f"models[0]'s has {tuple(shape)}")  # fmt: skip
+        parts.append(state[name].detach().reshape(-1))
+    return torch.cat(parts)
+
+
 @dataclass(frozen=True, eq=False)
 class Round:
     """What the server knows this round (see DESIGN.md, "The one core contract").
@@ -157,6 +190,28 @@ class Round:
             raise TypeError(
                 f"Round.reference must be callable (vector -> loss), got {type(self.reference).__name__}"
             )
+
+    @classmethod
+    def from_models(cls, models: Sequence[Any], previous: Any = None, **fields: Any) -> Round:
+        """A round from the clients' models: ``torch.nn.Module`` objects or their ``state_dict()`` s. Each
+        becomes the flat vector of its floating-point entries (parameters and floating buffers such as
+        batch norm's running statistics), in state_dict order, a tied tensor once: the layout of
+        :class:`fedtrust.models.FlatModel`, so ``FlatModel(module, task).state_dict(vector)`` loads an
+        aggregate back (integer buffers such as ``num_batches_tracked`` are not aggregated and keep the
+        module's value). With ``previous`` (the global model, a module or state dict) the updates are
+        the differences from it, and ``previous`` is its vector; ``fields`` are the other Round fields
+        (``client_ids``, ``num_samples``, ...). Models whose entries differ from the first's in name or
+        shape are refused naming the model and the entry."""
+        if isinstance(models, Mapping) or not isinstance(models, Sequence) or not models:
+            raise ValueError(f"Round.from_models: models must be a non-empty list of modules or state dicts, "
+                             f"got {type(models).__name__}")  # fmt: skip
+        layout = _float_entries(models[0], "models[0]")
+        vectors = [_flat_entries(m, layout, f"models[{i}]") for i, m in enumerate(models)]
+        updates = torch.stack(vectors)
+        if previous is not None:
+            start = _flat_entries(previous, layout, "previous")
+            return cls(updates=updates - start, previous=start, **fields)
+        return cls(updates=updates, **fields)
 
     @staticmethod
     def _ids(ids: Any, n: int) -> tuple:

@@ -1,0 +1,53 @@
+"""A Round straight from the clients' torch models or state dicts, buffers included, in FlatModel's layout."""
+
+import pytest
+import torch
+
+import fedtrust
+from fedtrust.models import FlatModel
+
+
+def bn_net(seed):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    net.train()
+    net(torch.randn(8, 4))  # moves the running statistics and the integer counter
+    return net
+
+
+def test_models_and_state_dicts_give_flat_models_vectors_and_an_aggregate_loads_back():
+    nets = [bn_net(s) for s in range(3)]
+    flat = FlatModel(bn_net(9), "classification")
+    by_module = fedtrust.Round.from_models(nets)
+    by_state = fedtrust.Round.from_models([n.state_dict() for n in nets], client_ids=["a", "b", "c"])
+    expected = torch.stack([torch.cat([n.state_dict()[k].reshape(-1) for k in flat.names]) for n in nets])
+    assert torch.equal(by_module.updates, expected) and torch.equal(by_state.updates, expected)
+    assert (
+        by_state.client_ids == ("a", "b", "c") and by_module.d == flat.size
+    )  # running stats in, counter out
+    out = fedtrust.rule("median")(by_module)
+    target = bn_net(9)
+    counter = int(target[1].num_batches_tracked)
+    target.load_state_dict(flat.state_dict(out.vector))
+    torch.testing.assert_close(target[1].running_mean, flat.unflatten(out.vector)["1.running_mean"])
+    means = torch.stack([flat.unflatten(v)["1.running_mean"] for v in expected])
+    torch.testing.assert_close(target[1].running_mean, means.median(0).values)  # the clients' statistics
+    assert int(target[1].num_batches_tracked) == counter  # integer buffers are not aggregated
+    deltas = fedtrust.Round.from_models(nets, previous=nets[0])
+    assert torch.equal(deltas.updates[0], torch.zeros(flat.size)) and torch.equal(
+        deltas.previous, expected[0]
+    )
+
+
+def test_a_model_that_does_not_match_is_refused_naming_it():
+    nets = [bn_net(0), torch.nn.Linear(4, 2)]
+    with pytest.raises(ValueError, match=r"models\[1\] has no entry '0.weight'"):
+        fedtrust.Round.from_models(nets)
+    with pytest.raises(
+        ValueError, match=r"models\[1\]\['weight'\] has shape \(2, 5\), models\[0\]'s has \(2, 4\)"
+    ):
+        fedtrust.Round.from_models([torch.nn.Linear(4, 2), torch.nn.Linear(5, 2)])
+    with pytest.raises(ValueError, match=r"models\[0\] must be a torch.nn.Module or a state dict"):
+        fedtrust.Round.from_models([[1.0, 2.0]])
+    with pytest.raises(ValueError, match="must be a non-empty list"):
+        fedtrust.Round.from_models([])
