@@ -43,7 +43,7 @@ class Reply:
         return float(self.metrics[key])
 
 
-def node_name(msg: Message) -> str:
+def reply_name(msg: Message) -> str:
     """The name the node gives in its ``fedtrust-node`` ConfigRecord, or its node id as text when it gives
     none (or one that is not a short printable string)."""
     record = msg.content.config_records.get(NODE_RECORD) if not msg.has_error() else None
@@ -80,7 +80,7 @@ def read_reply(
         if len(arrays) != 1:
             raise MalformedReply(f"expected one ArrayRecord, got {len(arrays)} ({sorted(arrays)})")
         vector = layout.flatten(next(iter(arrays.values())))
-    return Reply(msg.metadata.src_node_id, node_name(msg), metrics, msg.content, vector)
+    return Reply(msg.metadata.src_node_id, reply_name(msg), metrics, msg.content, vector)
 
 
 def screen(
@@ -107,7 +107,7 @@ def screen(
                 )
         except MalformedReply as exc:
             node = msg.metadata.src_node_id
-            name = node_name(msg)
+            name = reply_name(msg)
             name = (known or {}).get(node, name) if name == str(node) else name
             dropped[_label(name, node, dropped)] = str(exc)
             continue
@@ -144,6 +144,12 @@ def shared_metrics(replies: Sequence[Reply]) -> tuple[list[RecordDict], list[str
         content[record_key] = MetricRecord({k: r.metrics[k] for k in keys})
         contents.append(content)
     return contents, left_out
+
+
+def numbers_in_all(replies: Sequence[Reply], but: str) -> list[str]:
+    """The metric keys every reply holds as a single number, ``but`` (the sample count) left out."""
+    keys = set.intersection(*(set(r.metrics) for r in replies)) - {but}
+    return sorted(k for k in keys if all(_form(r.metrics[k]) == "number" for r in replies))
 
 
 def _form(value: Any) -> str | int | None:

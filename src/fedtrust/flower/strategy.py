@@ -17,7 +17,7 @@ from flwr.supercore import log
 
 from fedtrust.aggregators import Round
 from fedtrust.flower.arrays import ArrayLayout
-from fedtrust.flower.replies import Reply, display_names, screen, shared_metrics
+from fedtrust.flower.replies import Reply, display_names, numbers_in_all, screen, shared_metrics
 from fedtrust.flower.runlog import RunDirectory
 from fedtrust.models import FlatModel
 from fedtrust.rules import rule as build_rule
@@ -248,7 +248,7 @@ class TrustStrategy(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         t = server_round + self._offset
-        self.layout = ArrayLayout(arrays)
+        self.layout = self.layout or ArrayLayout(arrays)  # start's; one built here for a loop of one's own
         self.global_vector = self.layout.flatten(arrays)
         messages = list(super().configure_train(t, arrays, config, grid))
         if self.initial_report and hasattr(self.rule, "observe") and not self._observed and messages:
@@ -326,7 +326,7 @@ class TrustStrategy(FedAvg):
             return self._keep(record, "no usable reply")
         counts = [r.number(self.weighted_by_key) for r in accepted]
         metrics = {
-            k: [r.number(k) for r in accepted] for k in _numbers_in_all(accepted, self.weighted_by_key)
+            k: [r.number(k) for r in accepted] for k in numbers_in_all(accepted, but=self.weighted_by_key)
         }
         if self.train_loss_key in metrics:
             metrics["train_loss"] = metrics[self.train_loss_key]
@@ -400,15 +400,6 @@ def _empty_record(t: int) -> dict[str, Any]:
     return {"round": t, "received": 0, "dropped": {}, "clients": [], "node_ids": [], "num_samples": [],
             "corrupted": [], "weights": [], "train_loss": None, "auroc": None, "quarantined": {}, "info": {},
             "error": None, "metrics": None}  # fmt: skip
-
-
-def _numbers_in_all(replies: list[Reply], weighted_by_key: str) -> list[str]:
-    """The metrics every reply holds as a number, but the sample count."""
-    keys = set.intersection(*(set(r.metrics) for r in replies)) - {weighted_by_key}
-    return sorted(
-        k for k in keys
-        if all(isinstance(r.metrics[k], int | float) and not isinstance(r.metrics[k], bool) for r in replies)
-    )  # fmt: skip
 
 
 def _options(rule: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,45 +202,37 @@ def run_experiment(
     if root.exists() and not root.is_dir():
         raise NotADirectoryError(f"{root} is a file; --out must be a folder")
     redo, broken = _preflight(runs, root, force)
-    datasets = _DatasetCache()
-    outcomes: list[RunOutcome] = []
     bar = _Progress(progress, total=sum(c.train.rounds_run for _, c in runs))
-    if jobs > 1 or ray is not None:
-        return _run_parallel(cfg, runs, root, redo, broken, bar, jobs, ray)
-    with bar:
-        for index, (label, run_cfg) in enumerate(runs):
-            store = RunStore(root / label)
-            rounds = run_cfg.train.rounds_run
-            if label in broken:
-                bar.advance(rounds, label)
-                outcomes.append(RunOutcome(label, store.dir, "failed", error=broken[label]))
-                continue
-            with store.lock():
-                if label in redo:
-                    store.clear()
-                outcomes.append(_run_one(cfg, index, label, run_cfg, store, datasets, bar, rounds))
-    return outcomes
-
-
-def _run_parallel(cfg, runs, root: Path, redo: set, broken: dict, bar, jobs: int, ray: str | None):
-    """The runs in a pool of ``jobs`` processes (or Ray's pool on the cluster at ``ray``); the progress
-    bar advances by a run's rounds when it ends."""
-    outcomes: dict[int, RunOutcome] = {}
-    tasks = []
+    outcomes: dict[int, RunOutcome] = {}  # by index in the sweep
+    todo = []
     for index, (label, run_cfg) in enumerate(runs):
         if label in broken:
             outcomes[index] = RunOutcome(label, root / label, "failed", error=broken[label])
         else:
-            tasks.append(
-                (cfg, index, label, run_cfg, root, label in redo, max(1, (os.cpu_count() or 1) // jobs))
-            )
-    rounds = {label: run_cfg.train.rounds_run for label, run_cfg in runs}
-    with _pool(jobs, ray) as pool, bar:
-        bar.advance(sum(rounds[o.label] for o in outcomes.values()), "")
-        for index, outcome in pool.imap_unordered(_run_task, tasks):
-            outcomes[index] = outcome
-            bar.advance(rounds[outcome.label], outcome.label)
+            todo.append((cfg, index, label, run_cfg, root, label in redo))
+    parallel = jobs > 1 or ray is not None
+    with _pool(jobs, ray) if parallel else nullcontext() as pool, bar:  # the pool first: --ray fails fast
+        bar.advance(sum(runs[i][1].train.rounds_run for i in outcomes), "")
+        if not parallel:
+            datasets = _DatasetCache()
+            for task in todo:
+                index, outcome = _run_locked(*task, datasets, bar)
+                outcomes[index] = outcome
+        else:
+            threads = max(1, (os.cpu_count() or 1) // jobs)
+            for index, outcome in pool.imap_unordered(_run_task, [(*t, threads) for t in todo]):
+                outcomes[index] = outcome
+                bar.advance(runs[index][1].train.rounds_run, outcome.label)
     return [outcomes[i] for i in sorted(outcomes)]
+
+
+def _run_locked(cfg, index, label, run_cfg, root, redo: bool, datasets, bar) -> tuple[int, RunOutcome]:
+    """One run under its directory's lock, started over first when ``redo``."""
+    store = RunStore(Path(root) / label)
+    with store.lock():
+        if redo:
+            store.clear()
+        return index, _run_one(cfg, index, label, run_cfg, store, datasets, bar, run_cfg.train.rounds_run)
 
 
 def _pool(jobs: int, ray: str | None):
@@ -273,17 +266,13 @@ def _pool(jobs: int, ray: str | None):
 
 
 def _run_task(task) -> tuple[int, RunOutcome]:
-    """One run in a worker (a pool process or a Ray task): under its directory's lock, as in one process."""
+    """One run in a worker (a pool process or a Ray task), with its share of the CPU's threads; the
+    progress bar is the parent's (it advances when the run ends)."""
     import torch
 
-    cfg, index, label, run_cfg, root, redo, threads = task
+    *run, threads = task
     torch.set_num_threads(threads)
-    store = RunStore(Path(root) / label)
-    with store.lock():
-        if redo:
-            store.clear()
-        return index, _run_one(cfg, index, label, run_cfg, store, _DatasetCache(), _Progress(False, 0),
-                               run_cfg.train.rounds_run)  # fmt: skip
+    return _run_locked(*run, _DatasetCache(), _Progress(False, 0))
 
 
 def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds: int) -> RunOutcome:
