@@ -128,7 +128,7 @@ def test_run_prints_a_summary_table_and_a_failed_run_exits_non_zero(tmp_path):
     lines = result.output.splitlines()
     mean = next(line for line in lines if "rule=mean" in line)
     assert "finished" in mean and "accuracy 0." in mean and " s " in mean + " "
-    assert any("rule=krum(f=0.45)" in line and "failed" in line for line in lines)
+    assert any("rule=krum,f=0.45" in line and "failed" in line for line in lines)
     assert "no round could be" in result.output and "1 finished, 0 skipped, 1 failed" in result.output
     assert "error: 1 of 2 runs failed" in result.output
 

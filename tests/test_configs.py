@@ -100,7 +100,7 @@ def test_sweep_is_the_cartesian_product_with_readable_labels():
     assert len(runs) == 2 * 2 * 2 * 3
     labels = [label for label, _ in runs]
     assert labels[0] == "rule=fedavg_corruption=label_flip_corruption.fraction=0.3_seed=0"
-    assert "rule=multi_krum(f=0.3)_corruption=label_shuffle_corruption.fraction=0.5_seed=2" in labels
+    assert "rule=multi_krum,f=0.3_corruption=label_shuffle_corruption.fraction=0.5_seed=2" in labels
     last = runs[-1][1]
     assert last.rule.name == "multi_krum" and last.rule.options == {"f": 0.3} and last.seed == 2
 

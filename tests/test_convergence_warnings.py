@@ -76,7 +76,7 @@ def test_a_simulation_keeps_the_warning_in_its_rounds_and_the_report_counts_the_
     with pytest.warns(ConvergenceWarning) as caught:
         digits_runs(tmp_path, 3, {"name": "ivar_vb", "max_iter": 1}, {"name": "ivar_vb", "max_iter": 500})
     assert sum(issubclass(w.category, ConvergenceWarning) for w in caught) == 1  # 3 rounds, one warning
-    stopped, enough = (tmp_path / "t" / f"rule=ivar_vb(max_iter={k})" for k in (1, 500))
+    stopped, enough = (tmp_path / "t" / f"rule=ivar_vb,max_iter={k}" for k in (1, 500))
     records = [json.loads(line) for line in (stopped / "rounds.jsonl").read_text().splitlines()]
     assert len(records) == 3
     for r in records:
@@ -94,7 +94,7 @@ def test_a_simulation_keeps_the_warning_in_its_rounds_and_the_report_counts_the_
     assert "## Rounds that stopped at max_iter without converging" in text
     assert (
         "- ivar_vb(max_iter=1), t: 3 of 3 rounds stopped at max_iter "
-        "(see rule=ivar_vb(max_iter=1)/rounds.jsonl)"
+        "(see rule=ivar_vb,max_iter=1/rounds.jsonl)"
     ) in text
     assert "- ivar_vb(max_iter=500)" not in text  # a rule whose rounds all converged is not listed
 

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import pickle
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -370,3 +371,29 @@ def test_manifest_records_identity_and_time(tmp_path):
     manifest = json.loads((outcome.directory / "manifest.json").read_text())
     assert manifest["status"] == "finished" and manifest["seconds"] > 0 and outcome.seconds > 0
     assert manifest["config"]["train"]["rounds"] == 1
+
+
+def test_run_folder_names_need_no_shell_quoting(tmp_path):
+    cfg = config(
+        train__rounds=1,
+        sweep={
+            "rule": [{"name": "trimmed_mean", "f": 0.2}],
+            "corruption": [{"name": "label_flip", "fraction": 0.3}],
+        },
+    )
+    outcome = run_experiment(cfg, tmp_path, progress=False)[0]
+    name = outcome.directory.name
+    assert name == "rule=trimmed_mean,f=0.2_corruption=label_flip,fraction=0.3"
+    assert shlex.quote(name) == name  # a shell reads it as one word, unquoted
+
+
+def test_a_run_folder_named_the_old_way_is_taken_over_not_redone(tmp_path):
+    """Run folders named the earlier way (``rule=trimmed_mean(f=0.2)``) get the new name, and their finished
+    runs are skipped instead of computed again."""
+    cfg = config(train__rounds=2, sweep={"rule": [{"name": "trimmed_mean", "f": 0.2}]})
+    first = run_experiment(cfg, tmp_path, progress=False)[0]
+    old = first.directory.with_name("rule=trimmed_mean(f=0.2)")
+    first.directory.rename(old)
+    again = run_experiment(cfg, tmp_path, progress=False)[0]
+    assert again.status == "skipped" and again.directory == first.directory and not old.exists()
+    assert RunStore(again.directory).manifest()["run"] == "rule=trimmed_mean,f=0.2"

@@ -294,7 +294,7 @@ def test_a_run_keeps_each_rounds_groups_and_the_report_counts_them(tmp_path):
             "corruption": {"name": "mimic", "target": 0, "fraction": 0.5},
             "sweep": {"rule": [{"name": "ivar_vb"}, {"name": "ivar_vb", "sybils": "off"}]}}  # fmt: skip
     run_experiment(runs.config(spec), tmp_path, progress=False)
-    shared, off = (tmp_path / "t" / name for name in ("rule=ivar_vb", "rule=ivar_vb(sybils=off)"))
+    shared, off = (tmp_path / "t" / name for name in ("rule=ivar_vb", "rule=ivar_vb,sybils=off"))
     for line in (shared / "rounds.jsonl").open():
         record = json.loads(line)
         bad = [c for c, b in zip(record["clients"], record["corrupted"], strict=True) if b]
@@ -308,4 +308,4 @@ def test_a_run_keeps_each_rounds_groups_and_the_report_counts_them(tmp_path):
         "- rule=ivar_vb: in 2 of 2 rounds near-identical updates shared one vote (largest group: 4 clients)"
         in text
     )
-    assert "rule=ivar_vb(sybils=off):" not in text
+    assert "rule=ivar_vb,sybils=off:" not in text

@@ -275,12 +275,20 @@ def _set(tree: dict, dotted: str, value: Any, where: str) -> None:
 
 
 def _label(path: str, value: Any) -> str:
+    """``path=value``; a component with options as ``name,option=value,...``
+    (``rule=bulyan,f=0.2``). Only letters, digits and ``. , = _ -``: a run folder's name never needs
+    shell quoting."""
     key = path.removesuffix(".name")
     if isinstance(value, dict):
         extras = ",".join(f"{k}={v}" for k, v in value.items() if k != "name")
         value = value.get("name", "") + (f"({extras})" if extras else "")
-    text = f"{key}={value}"
-    return re.sub(r"[^A-Za-z0-9.,=()_-]+", "-", text)
+    return shell_safe(re.sub(r"[^A-Za-z0-9.,=()_-]+", "-", f"{key}={value}"))
+
+
+def shell_safe(label: str) -> str:
+    """A run label as fedtrust names it now from one named the earlier way: ``rule=bulyan(f=0.2)_seed=0`` ->
+    ``rule=bulyan,f=0.2_seed=0`` (the only characters older labels had that a shell reads)."""
+    return label.replace("(", ",").replace(")", "")
 
 
 def expand(cfg: ExperimentConfig, where: str = "") -> list[tuple[str, ExperimentConfig]]:

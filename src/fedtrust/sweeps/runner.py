@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import traceback
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,8 +28,8 @@ from fedtrust.sim.evaluation import default_evaluation
 from fedtrust.sim.federation import build_federation
 from fedtrust.sim.loop import Lie, Simulation
 from fedtrust.sim.settings import resolve_device
-from fedtrust.sim.store import RunStore
-from fedtrust.sweeps.config import ExperimentConfig, expand
+from fedtrust.sim.store import RunLocked, RunStore
+from fedtrust.sweeps.config import ExperimentConfig, expand, shell_safe
 
 
 @dataclass
@@ -201,6 +201,7 @@ def run_experiment(
     root = Path(out) / cfg.name
     if root.exists() and not root.is_dir():
         raise NotADirectoryError(f"{root} is a file; --out must be a folder")
+    _adopt_legacy_folders(root, [label for label, _ in runs])
     redo, broken = _preflight(runs, root, force)
     bar = _Progress(progress, total=sum(c.train.rounds_run for _, c in runs))
     outcomes: dict[int, RunOutcome] = {}  # by index in the sweep
@@ -211,7 +212,10 @@ def run_experiment(
         else:
             todo.append((cfg, index, label, run_cfg, root, label in redo))
     parallel = jobs > 1 or ray is not None
-    with _pool(jobs, ray) if parallel else nullcontext() as pool, bar:  # the pool first: --ray fails fast
+    with (
+        _pool(jobs, ray) if parallel else contextlib.nullcontext() as pool,
+        bar,
+    ):  # the pool first: --ray fails fast
         bar.advance(sum(runs[i][1].train.rounds_run for i in outcomes), "")
         if not parallel:
             datasets = _DatasetCache()
@@ -224,6 +228,29 @@ def run_experiment(
                 outcomes[index] = outcome
                 bar.advance(runs[index][1].train.rounds_run, outcome.label)
     return [outcomes[i] for i in sorted(outcomes)]
+
+
+def _adopt_legacy_folders(root: Path, labels: list[str]) -> None:
+    """Give run folders named the earlier way (``rule=bulyan(f=0.2)_seed=0``, which needs shell quoting) this
+    version's name (``rule=bulyan,f=0.2_seed=0``), so their runs are skipped or resumed, not redone. A
+    folder another process is writing is left where it is (its run is then refused by that lock)."""
+    if not root.is_dir():
+        return
+    wanted = set(labels)
+    for path in sorted(root.iterdir()):
+        new = shell_safe(path.name)
+        if new == path.name or new not in wanted or (root / new).exists() or not path.is_dir():
+            continue
+        store = RunStore(path)
+        try:
+            with store.lock():
+                path.rename(root / new)
+        except RunLocked:
+            continue
+        moved = RunStore(root / new)
+        with contextlib.suppress(CorruptFileError):
+            if moved.manifest():
+                moved.update_manifest(run=new)
 
 
 def _run_locked(cfg, index, label, run_cfg, root, redo: bool, datasets, bar) -> tuple[int, RunOutcome]:
