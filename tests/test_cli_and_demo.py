@@ -25,17 +25,25 @@ def test_rules_command_lists_every_rule_with_options_and_source():
     assert "Pre-aggregators" in result.output and "bucketing" in result.output and "s=2" in result.output
 
 
-def test_demo_runs_every_rule_and_robust_rules_shut_out_label_flippers(tmp_path):
+def test_demo_runs_every_rule_and_robust_rules_shut_out_label_flippers(tmp_path, capsys):
     runs = demo_main(out=tmp_path, rounds=12, seeds=1, progress=False)
     assert {r.rule.split("(")[0] for r in runs} == set(available())
     assert all(r.status == "finished" and len(r.rounds) == 12 for r in runs)
     rules, settings, weight = table(runs, Run.corrupted_weight)
-    by = {rule.split("(")[0]: weight[(rule, settings[0])][0] for rule in rules}
+    assert settings == ["corruption=none", "corruption=label_flip"]  # each rule clean and attacked
+    by = {rule.split("(")[0]: weight[(rule, "corruption=label_flip")][0] for rule in rules}
     assert by["mean"] == pytest.approx(0.3)  # six of twenty clients, weighted like everyone else
     for name in ("multi_krum", "krum"):
         assert by[name] < 0.02, name
     assert by["bulyan"] < 0.05
     assert (tmp_path / "demo" / "report.md").exists() and (tmp_path / "demo" / "curves.png").exists()
+    # the table puts each rule's clean accuracy beside its attacked one and what the flippers cost
+    final = {(r.rule, r.setting): r.final() for r in runs}
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("│ mean "))
+    clean, attacked = final[("mean", "corruption=none")], final[("mean", "corruption=label_flip")]
+    assert [float(x) for x in re.findall(r"-?\d+\.\d+(?= ±)", row)[:3]] == pytest.approx(
+        [clean, attacked, clean - attacked], abs=5e-4
+    )
 
 
 def digits_config(tmp_path, name: str, rounds: int, **rest):
