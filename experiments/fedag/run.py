@@ -1,11 +1,11 @@
 """FedAvg-Gaussian experiments (Thorgeirsson, Gauterin): the toy of Fig. 2, Boston housing with the paper's
 protocol beside its Table 2-4 numbers, and robust FedAG (the paper's future work) under 30% corrupted
-clients. Results, tables and plots go to experiments/fedag/reports/.
+clients. Results, tables and plots go to --out (default experiments/fedag/reports/, the committed ones).
 
-    python experiments/fedag/run.py toy       # Fig. 2: predictions after 1, 3, 5 rounds (PNG)
+    python experiments/fedag/run.py toy       # Fig. 2: predictions after 1, 3, 5 rounds (PNG, PDF, SVG)
     python experiments/fedag/run.py boston    # 20-fold CV, K = 10, C = 1, B = 1, E = 40, 50 hidden units
     python experiments/fedag/run.py robust    # plain vs robust FedAG vs clean, toy and Boston
-    python experiments/fedag/run.py all
+    python experiments/fedag/run.py all --out /tmp/fedag
 """
 
 from __future__ import annotations
@@ -14,30 +14,28 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from sklearn.model_selection import KFold
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from sklearn.model_selection import KFold  # noqa: E402
+from fedtrust import rule
+from fedtrust.attacks import attack
+from fedtrust.data import Dataset, cubic_toy
+from fedtrust.data.corruptions import data_corruption
+from fedtrust.data.partition import partitioner
+from fedtrust.models import build_model
+from fedtrust.probabilistic import bootstrap_predictive, scoring_rules
+from fedtrust.probabilistic.baselines import BayesByBackprop, BayesianLinearRegression, DeepEnsemble
+from fedtrust.progress import Progress
+from fedtrust.report.style import BLUE, ORANGE, PAGE, paper, save
+from fedtrust.sim.federation import build_federation
+from fedtrust.sim.loop import Simulation
+from fedtrust.sim.settings import TrainSettings
 
-from fedtrust import rule  # noqa: E402
-from fedtrust.attacks import attack  # noqa: E402
-from fedtrust.data import Dataset, cubic_toy  # noqa: E402
-from fedtrust.data.corruptions import data_corruption  # noqa: E402
-from fedtrust.data.partition import partitioner  # noqa: E402
-from fedtrust.models import build_model  # noqa: E402
-from fedtrust.probabilistic import bootstrap_predictive, scoring_rules  # noqa: E402
-from fedtrust.probabilistic.baselines import BayesByBackprop, BayesianLinearRegression, DeepEnsemble  # noqa: E402
-from fedtrust.sim.federation import build_federation  # noqa: E402
-from fedtrust.sim.loop import Simulation  # noqa: E402
-from fedtrust.sim.settings import TrainSettings  # noqa: E402
-
-OUT = Path(__file__).parent / "reports"
+REPORTS = Path(__file__).parent / "reports"
 PAPER_BOSTON = {  # Table 2 (NLL), Table 3 (RMSE), Table 4 (DS), mean +- standard error
     "BLR": {"nll": (3.07, 0.03), "rmse": (4.87, 0.22)},
     "VI": {"nll": (2.90, 0.07), "rmse": (4.32, 0.29)},
@@ -124,7 +122,8 @@ def write_table(
 # ---------------------------------------------------------------- experiments
 
 
-def toy() -> None:
+@paper()
+def toy(out: Path) -> None:
     """Fig. 2: 10 workers x 16 points of y = x^3 + N(0, 3^2) on [-4, 4], one hidden layer of 100 units,
     predictions on [-6, 6] with +-3 sd after 1, 3 and 5 rounds."""
     data = cubic_toy()
@@ -133,7 +132,7 @@ def toy() -> None:
     sim = Simulation(
         fed, model, rule("fedag"), TrainSettings(rounds=5, local_epochs=40, batch_size=1, lr=LR), 0
     )
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(PAGE, 2.3), sharey=True, layout="constrained")
     x = data.x_test[:, 0]
     s, c = data.y_scale, data.y_shift
     panel = iter(axes)
@@ -142,68 +141,60 @@ def toy() -> None:
         sim.step(t)
         mu, sigma = sim.evaluation.predictive(t, sim.vector, data.x_test)
         rows[t] = scores(data, mu, sigma)
-        if t in (1, 3, 5):
-            ax = next(panel)
-            ax.plot(x, data.y_test * s + c, color="tab:blue", label="ground truth")
-            ax.scatter(
-                data.x_train[:, 0], data.y_train * s + c, s=5, color="tab:orange", label="training data"
-            )
-            ax.plot(x, mu * s + c, color="black", label="predictive mean")
-            ax.fill_between(
-                x,
-                (mu - 3 * sigma) * s + c,
-                (mu + 3 * sigma) * s + c,
-                color="gray",
-                alpha=0.35,
-                label="+-3 sd",
-            )
-            ax.set_title(f"after {t} round{'s' if t > 1 else ''}")
-            ax.set_ylim(-250, 250)
-            ax.set_xlabel("x")
+        if t not in (1, 3, 5):
+            continue
+        ax = next(panel)
+        ax.plot(x, data.y_test * s + c, color=BLUE, label="ground truth")
+        ax.scatter(data.x_train[:, 0], data.y_train * s + c, s=3, color=ORANGE, label="training data")
+        ax.plot(x, mu * s + c, color="black", label="predictive mean")
+        ax.fill_between(x, (mu - 3 * sigma) * s + c, (mu + 3 * sigma) * s + c, color="gray", alpha=0.35,
+                        lw=0, label="±3 sd")  # fmt: skip
+        ax.set_title(f"after {t} round{'s' if t > 1 else ''}")
+        ax.set_ylim(-250, 250)
+        ax.set_xlabel("x")
     axes[0].set_ylabel("y")
-    axes[0].legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(OUT / "toy.png", dpi=110)
-    (OUT / "toy.json").write_text(json.dumps(rows, indent=1))
+    axes[0].legend(loc="upper left")
+    save(fig, out / "toy.png")
+    (out / "toy.json").write_text(json.dumps(rows, indent=1))
     print("toy:", {t: round(r["nll"], 2) for t, r in rows.items()})
 
 
-def boston(folds: int = 20) -> None:
+def boston(out: Path, folds: int = 20) -> None:
     """The paper's protocol: 20-fold CV; K = 10 devices, C = 1, B = 1, E = 40; 50 hidden units."""
     results: dict[str, list[dict]] = {name: [] for name in PAPER_BOSTON}
-    began = time.time()
-    for k, data in enumerate(boston_folds(folds)):
-        sim0 = fedag(data, None, 1, k, predictive="linear")
-        results["FedAG N=0 (t=1)"].append(scores(data, *predictive(sim0, data.x_test)))
-        # the paper's predictive (Sec. 5): Monte Carlo draws from the per-weight posterior, with the data
-        # noise; beside it the bootstrap over the client models (eqs 3-5) without it
-        sim1 = fedag(data, 50, 5, k, predictive="omc", noise=True)
-        results["FedAG N=1 (t=5)"].append(scores(data, *predictive(sim1, data.x_test)))
-        boot = bootstrap_predictive(sim1.model, sim1.evaluation.posterior, data.x_test)
-        results["FedAG N=1 (t=5), bootstrap"].append(scores(data, *boot))
-        results["BLR"].append(
-            scores(data, *BayesianLinearRegression().fit(data.x_train, data.y_train).predict(data.x_test))
-        )
-        results["VI"].append(
-            scores(
-                data,
-                *BayesByBackprop(hidden=50, epochs=40, seed=k)
-                .fit(data.x_train, data.y_train)
-                .predict(data.x_test),
+    with Progress(folds, unit="folds") as bar:
+        for k, data in enumerate(boston_folds(folds)):
+            sim0 = fedag(data, None, 1, k, predictive="linear")
+            results["FedAG N=0 (t=1)"].append(scores(data, *predictive(sim0, data.x_test)))
+            # the paper's predictive (Sec. 5): Monte Carlo draws from the per-weight posterior, with the data
+            # noise; beside it the bootstrap over the client models (eqs 3-5) without it
+            sim1 = fedag(data, 50, 5, k, predictive="omc", noise=True)
+            results["FedAG N=1 (t=5)"].append(scores(data, *predictive(sim1, data.x_test)))
+            boot = bootstrap_predictive(sim1.model, sim1.evaluation.posterior, data.x_test)
+            results["FedAG N=1 (t=5), bootstrap"].append(scores(data, *boot))
+            results["BLR"].append(
+                scores(data, *BayesianLinearRegression().fit(data.x_train, data.y_train).predict(data.x_test))
             )
-        )
-        results["Deep ensembles"].append(
-            scores(
-                data,
-                *DeepEnsemble(hidden=50, epochs=40, seed=k)
-                .fit(data.x_train, data.y_train)
-                .predict(data.x_test),
+            results["VI"].append(
+                scores(
+                    data,
+                    *BayesByBackprop(hidden=50, epochs=40, seed=k)
+                    .fit(data.x_train, data.y_train)
+                    .predict(data.x_test),
+                )
             )
-        )
-        print(f"fold {k + 1}/{folds} ({time.time() - began:.0f} s)", flush=True)
-    (OUT / "boston.json").write_text(json.dumps(results, indent=1))
+            results["Deep ensembles"].append(
+                scores(
+                    data,
+                    *DeepEnsemble(hidden=50, epochs=40, seed=k)
+                    .fit(data.x_train, data.y_train)
+                    .predict(data.x_test),
+                )
+            )
+            bar.advance(1, f"Boston, fold {k + 1}")
+    (out / "boston.json").write_text(json.dumps(results, indent=1))
     write_table(f"Boston housing, {folds}-fold cross-validation", results, ["nll", "rmse", "sharpness", "crps", "coverage90"],
-                OUT / "boston.md", PAPER_BOSTON,
+                out / "boston.md", PAPER_BOSTON,
                 "Mean ± standard error over folds; NLL, RMSE, CRPS and sharpness (DS, eq 8) in the units of the "
                 f"target ($1000s). Command: `python experiments/fedag/run.py boston --folds {folds}`.")  # fmt: skip
 
@@ -219,7 +210,7 @@ ROBUST_BASES = {  # row label -> (base rule, its options)
 SYBIL_BASES = {"robust FedAG (ivar_vb, sybils=off)": ("ivar_vb", {"sybils": "off"})}
 
 
-def robust(folds: int = 20) -> None:
+def robust(out: Path, folds: int = 20) -> None:
     """FedAG fitted with each base rule's trust weights, 3 of 10 devices corrupted: noisy targets
     (y + N(0, (3 sd(y))^2)), Gaussian updates (N(0, 1) vectors in place of their models), and two sybil
     attacks: mimic (the three send copies of one honest device's update) and one identical crafted vector
@@ -232,26 +223,24 @@ def robust(folds: int = 20) -> None:
                  "one crafted vector, -3 x mean (30%)": (None, attack("ipm", epsilon=3.0), True)}  # fmt: skip
     toy_data = cubic_toy()
     table: dict[str, dict[str, list[dict]]] = {}
-    for scenario, (corruption, attacker, sybils) in scenarios.items():
-        fraction = 0.0 if scenario == "clean" else 0.3
-        bases = ROBUST_BASES | (SYBIL_BASES if sybils else {})
-        for name, (base, options) in bases.items():
-            runs = []
-            for k, data in enumerate(boston_folds(folds)):
-                sim = fedag(data, 50, 5, k, base=base, base_options=options, corruption=corruption,
+    cases = sum(len(ROBUST_BASES | (SYBIL_BASES if sybils else {})) for _, _, sybils in scenarios.values())
+    with Progress(cases * (folds + 1), unit="fits") as bar:
+        for scenario, (corruption, attacker, sybils) in scenarios.items():
+            fraction = 0.0 if scenario == "clean" else 0.3
+            bases = ROBUST_BASES | (SYBIL_BASES if sybils else {})
+            for name, (base, options) in bases.items():
+                runs = []
+                for k, data in enumerate(boston_folds(folds)):
+                    sim = fedag(data, 50, 5, k, base=base, base_options=options, corruption=corruption,
+                                attacker=attacker, fraction=fraction)  # fmt: skip
+                    runs.append(scores(data, *predictive(sim, data.x_test)))
+                    bar.advance(1, f"{scenario}: {name}")
+                table.setdefault(scenario, {})[name] = runs
+                sim = fedag(toy_data, 100, 5, 0, base=base, base_options=options, corruption=corruption,
                             attacker=attacker, fraction=fraction)  # fmt: skip
-                runs.append(scores(data, *predictive(sim, data.x_test)))
-            table.setdefault(scenario, {})[name] = runs
-            sim = fedag(toy_data, 100, 5, 0, base=base, base_options=options, corruption=corruption,
-                        attacker=attacker, fraction=fraction)  # fmt: skip
-            table[scenario][name + " [toy]"] = [scores(toy_data, *predictive(sim, toy_data.x_test))]
-            print(
-                scenario,
-                name,
-                {m: round(mean_se([r[m] for r in runs])[0], 2) for m in ("nll", "coverage90")},
-                flush=True,
-            )
-    (OUT / "robust.json").write_text(json.dumps(table, indent=1))
+                table[scenario][name + " [toy]"] = [scores(toy_data, *predictive(sim, toy_data.x_test))]
+                bar.advance(1, f"{scenario}: {name} [toy]")
+    (out / "robust.json").write_text(json.dumps(table, indent=1))
     lines = ["# Robust FedAG: 3 of 10 devices corrupted", "",
              f"FedAG's Gaussian posterior fitted with each base rule's trust weights. Boston housing, {folds}-fold "
              "CV (mean ± s.e.); the toy (one run) marked [toy]. Command: "
@@ -271,7 +260,7 @@ def robust(folds: int = 20) -> None:
                 + " |"
             )
         lines.append("")
-    (OUT / "robust.md").write_text("\n".join(lines))
+    (out / "robust.md").write_text("\n".join(lines))
 
 
 def main(argv=None) -> None:
@@ -280,14 +269,16 @@ def main(argv=None) -> None:
     )
     parser.add_argument("which", choices=["toy", "boston", "robust", "all"])
     parser.add_argument("--folds", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=REPORTS,
+                        help="where the tables, JSON and figures go (default: %(default)s)")  # fmt: skip
     args = parser.parse_args(argv)
-    OUT.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.which in ("toy", "all"):
-        toy()
+        toy(args.out)
     if args.which in ("boston", "all"):
-        boston(args.folds)
+        boston(args.out, args.folds)
     if args.which in ("robust", "all"):
-        robust(args.folds)
+        robust(args.out, args.folds)
 
 
 if __name__ == "__main__":

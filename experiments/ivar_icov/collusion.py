@@ -29,6 +29,7 @@ import torch
 
 from fedtrust.inference import METHODS
 from fedtrust.inference.icov import consensus_coefficients
+from fedtrust.progress import Progress
 
 HERE = Path(__file__).parent
 
@@ -140,10 +141,12 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)  # tiny matrices: threads only contend
     results = []
-    for setting in grid(args.quick):
-        for seed in range(args.seeds):
-            results.append({"setting": setting, "seed": seed, "rows": one(setting, seed, args.methods)})
-        print(json.dumps(setting), flush=True)
+    settings = grid(args.quick)
+    with Progress(len(settings) * args.seeds, unit="tables") as bar:
+        for setting in settings:
+            for seed in range(args.seeds):
+                results.append({"setting": setting, "seed": seed, "rows": one(setting, seed, args.methods)})
+                bar.advance(1, f"group {setting['group']}, strength {setting['strength']:g}, seed {seed}")
     table = report(results, args.methods)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=1))

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from fedtrust.aggregators import leaving_out
+from fedtrust.progress import Progress
 from fedtrust.rules import rule_options
 from fedtrust.sweeps.config import validate
 from fedtrust.sweeps.runner import build_simulation
@@ -116,19 +117,23 @@ def main() -> None:
 
     start = time.perf_counter()
     rows = []
-    for label, rule in variants(args.rules):
-        cells = []
-        for attack in args.attacks:
-            if attack == "absent" and rule.get("sybils") == "off":
-                cells.append("(as share: no copies)")
-                continue
-            results = [
-                final_accuracy(config(rule, attack, s, args.rounds), absent=attack == "absent")
-                for s in range(args.seeds)
-            ]
-            cells.append(cell(results))
-        rows.append(f"| {label} | " + " | ".join(cells) + " |")
-        print(rows[-1], flush=True)
+    rules = variants(args.rules)
+    with Progress(len(rules) * len(args.attacks) * args.seeds, unit="runs") as bar:
+        for label, rule in rules:
+            cells = []
+            for attack in args.attacks:
+                if attack == "absent" and rule.get("sybils") == "off":
+                    cells.append("(as share: no copies)")
+                    bar.advance(args.seeds, f"{label}, {attack}")
+                    continue
+                results = []
+                for s in range(args.seeds):
+                    results.append(
+                        final_accuracy(config(rule, attack, s, args.rounds), absent=attack == "absent")
+                    )
+                    bar.advance(1, f"{label}, {attack}, seed {s}")
+                cells.append(cell(results))
+            rows.append(f"| {label} | " + " | ".join(cells) + " |")
     header = [
         f"Final test accuracy, mean ± sd over {args.seeds} seeds: digits, 20 clients, Dirichlet(0.5), "
         f"softmax, {args.rounds} rounds, 30% of the clients corrupted "

@@ -241,11 +241,10 @@ def report(args, results: dict, seconds: float) -> str:
 
 
 def heatmap(args, results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+
+    from fedtrust.report.style import PAGE, paper, save, wrap
 
     columns = [("clean", FRACTIONS[0])] + [(a, f) for f in FRACTIONS for a in args.attacks if a != "clean"]
     grid = np.full((len(args.rules), len(columns)), np.nan)  # the score: accuracy, less ASR under a backdoor
@@ -259,21 +258,22 @@ def heatmap(args, results: dict, path: Path) -> None:
             asr = asr_of(rows)
             grid[i, j] = mean - (asr or 0.0)
             labels[i, j] = short(mean) + ("" if asr is None else f"\n{short(asr)}")
-    fig, ax = plt.subplots(figsize=(1.0 + 0.55 * len(columns), 0.9 + 0.32 * len(args.rules)))
-    im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-    ax.set_xticks(range(len(columns)), [a if a == "clean" else f"{a} {int(f * 100)}%" for a, f in columns],
-                  rotation=60, ha="right", fontsize=8)  # fmt: skip
-    ax.set_yticks(range(len(args.rules)), args.rules, fontsize=8)
-    for (i, j), text in labels.items():
-        ax.text(j, i, text, ha="center", va="center", fontsize=6 if "\n" not in text else 5,
-                color="white" if grid[i, j] < 0.6 else "black")  # fmt: skip
-    fig.colorbar(im, ax=ax, label="score: test accuracy (less ASR under the backdoor)")
-    ax.set_title(f"{args.data}: final accuracy, mean over {args.seeds} seed(s); backdoor cells: accuracy "
-                 "over attack success rate, coloured by their difference", fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    fig.savefig(path.with_suffix(".pdf"))
-    plt.close(fig)
+    with paper():
+        width = min(PAGE, 1.6 + 0.27 * len(columns))
+        fig, ax = plt.subplots(figsize=(width, 1.3 + 0.19 * len(args.rules)), layout="constrained")
+        cmap = plt.get_cmap("viridis").with_extremes(bad="#E4E4E4")
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap=cmap, aspect="auto")
+        ax.grid(False)
+        names = [a if a == "clean" else f"{a} {int(f * 100)}%" for a, f in columns]
+        ax.set_xticks(range(len(columns)), names, rotation=60, ha="right", rotation_mode="anchor", fontsize=6)
+        ax.set_yticks(range(len(args.rules)), args.rules, fontsize=6)
+        for (i, j), text in labels.items():
+            ax.text(j, i, text, ha="center", va="center", fontsize=4.5 if "\n" not in text else 3.6,
+                    color="white" if grid[i, j] < 0.6 else "black")  # fmt: skip
+        fig.colorbar(im, ax=ax, shrink=0.6, label="score: test accuracy\n(less ASR under the backdoor)")
+        ax.set_title(wrap(f"{args.data}: final accuracy, mean over {args.seeds} seed(s); backdoor cells: "
+                          "accuracy over attack success rate, coloured by their difference", 110))  # fmt: skip
+        save(fig, path)
 
 
 def short(x: float) -> str:
@@ -330,18 +330,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(todo)} runs to compute, {sum(map(len, results.values()))} cached", flush=True)
     if args.cached_only:
         todo = []
+    from fedtrust.progress import Progress
+
     began = time.perf_counter()
-    with ProcessPoolExecutor(args.jobs) as pool, cache_path.open("a") as out:
+    with (
+        ProcessPoolExecutor(args.jobs) as pool,
+        cache_path.open("a") as out,
+        Progress(len(todo), unit="runs") as bar,
+    ):
         futures = {pool.submit(run_one, job[4]): job for job in todo}
-        for done, future in enumerate(as_completed(futures), 1):
+        for future in as_completed(futures):
             rule, attack, fraction, seed, cfg, k = futures[future]
             row = {"key": k, "rule": rule, "attack": attack, "fraction": fraction, "seed": seed,
                    "data": args.data, "code": args.code, **future.result()}  # fmt: skip
             out.write(json.dumps(row) + "\n")
             out.flush()
             results.setdefault((rule, attack, fraction), []).append(row)
-            if done % 20 == 0 or done == len(todo):
-                print(f"{done}/{len(todo)} runs, {time.perf_counter() - began:.0f} s", flush=True)
+            bar.advance(1, f"{rule}, {attack} {int(fraction * 100)}%, seed {seed}")
     seconds = time.perf_counter() - began
     text = report(args, results, seconds)
     (out_dir / f"{args.data}.md").write_text(text)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from pathlib import Path
 
 from fedtrust.report.figures import calibration, metric_curves, sweep_curves, trust_heatmaps
 from fedtrust.report.results import Cell, Run, is_replicate, load_runs, table
+from fedtrust.report.style import slug
 
 __all__ = ["Run", "load_runs", "write_report"]
 
@@ -30,10 +30,6 @@ def _markdown_table(rules, settings, cells, first: str) -> list[str]:
     for rule in rules:
         lines.append(f"| {rule} | " + " | ".join(_cell(cells.get((rule, s))) for s in settings) + " |")
     return lines
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:80] or "run"
 
 
 def _other_metrics(runs: list[Run], main: str) -> list[str]:
@@ -210,7 +206,7 @@ def _figures(done: list[Run], metric: str, out: Path) -> list[str]:
     calibration, the metric over rounds, trust heatmaps per setting) and return their sections."""
     lines = []
     for key in _numeric_sweeps(done):
-        png = sweep_curves(done, key, out / f"sweep_{_slug(key)}.png")
+        png = sweep_curves(done, key, out / f"sweep_{slug(key)}.png")
         lines += [f"## Final test {metric} against {key}", "", f"![{key}]({png.name})", ""]
     predictive = [r for r in done if r.predictions() is not None]
     if predictive:
@@ -232,7 +228,7 @@ def _figures(done: list[Run], metric: str, out: Path) -> list[str]:
     lines += ["## Trust over rounds", ""]
     for setting in dict.fromkeys(r.setting for r in done):
         png = trust_heatmaps(
-            [r for r in done if r.setting == setting], out / f"trust_{_slug(setting)}.png", setting
+            [r for r in done if r.setting == setting], out / f"trust_{slug(setting)}.png", setting
         )
         lines += [f"### {setting}", "", f"![trust]({png.name})", ""]
     return lines

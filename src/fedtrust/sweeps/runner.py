@@ -22,6 +22,7 @@ from fedtrust.data import DATASETS
 from fedtrust.data.corruptions import DATA_CORRUPTIONS
 from fedtrust.data.partition import PARTITIONERS
 from fedtrust.models import build_model
+from fedtrust.progress import Progress
 from fedtrust.registry import build, options_of
 from fedtrust.rules import rule as build_rule
 from fedtrust.sim.evaluation import default_evaluation
@@ -203,7 +204,7 @@ def run_experiment(
         raise NotADirectoryError(f"{root} is a file; --out must be a folder")
     _adopt_legacy_folders(root, [label for label, _ in runs])
     redo, broken = _preflight(runs, root, force)
-    bar = _Progress(progress, total=sum(c.train.rounds_run for _, c in runs))
+    bar = Progress(enabled=progress, total=sum(c.train.rounds_run for _, c in runs))
     outcomes: dict[int, RunOutcome] = {}  # by index in the sweep
     todo = []
     for index, (label, run_cfg) in enumerate(runs):
@@ -299,7 +300,7 @@ def _run_task(task) -> tuple[int, RunOutcome]:
 
     *run, threads = task
     torch.set_num_threads(threads)
-    return _run_locked(*run, _DatasetCache(), _Progress(False, 0))
+    return _run_locked(*run, _DatasetCache(), Progress(0, enabled=False))
 
 
 def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds: int) -> RunOutcome:
@@ -337,31 +338,3 @@ def _at(tree: dict, dotted: str) -> Any:
     for key in dotted.split("."):
         node = node.get(key) if isinstance(node, dict) else None
     return node
-
-
-class _Progress:
-    """A rich progress bar over all rounds of all runs (silent when disabled)."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.enabled = enabled
-        self.total = total
-
-    def __enter__(self):
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._p = Progress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()
-            )
-            self._p.__enter__()
-            self._task = self._p.add_task("rounds", total=self.total)
-        return self
-
-    def advance(self, n: int, label: str) -> None:
-        if self.enabled and n:
-            self._p.update(self._task, advance=n, description=label[:60])
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self._p.__exit__(*exc)
-        return False
