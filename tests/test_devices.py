@@ -19,8 +19,8 @@ from fedtrust.probabilistic.posterior import fit_posterior
 VARIANTS = {
     "arfl": [{"defence": "benchmark"}],
     "focus": [{"defence": "benchmark"}, {"sybils": "off"}],
-    "ivar_mle": [{"sybils": "off"}],
-    "icov_vb": [{"sybils": "off"}],
+    "ivar_mle": [{"sybils": "off"}, {"weighting": "screen"}],
+    "icov_vb": [{"sybils": "off"}, {"weighting": "screen"}],
 }
 CASES = [(name, {}) for name in ALL] + [(name, o) for name, opts in VARIANTS.items() for o in opts]
 

@@ -40,12 +40,15 @@ RULES = [
     "fedavg", "median", "trimmed_mean", "geometric_median", "krum", "multi_krum", "bulyan",
     "centered_clipping", "cfl", "arfl", "focus", "ivar_mle", "ivar_vb", "icov_mle", "icov_vb",
     "norm_bounding", "dnc", "flame", "foolsgold", "fltrust", "nnm+median", "nnm+trimmed_mean",
-    "bucketing+geometric_median",
+    "bucketing+geometric_median", "ivar_mle(weighting=screen)", "icov_vb(weighting=screen)",
 ]  # fmt: skip
 #: rules whose ``f`` option is set to the column's malicious share (and pre-aggregators', in front of them)
 BUDGET = {"trimmed_mean", "krum", "multi_krum", "bulyan", "dnc", "nnm", "arc"}
 ATTACKS = {
     "clean": {"name": "none"},
+    # not an attack: the corrupted share sends NaN, which every rule quarantines, so the federation runs
+    # without them; a rule that shuts attackers out perfectly ends here
+    "absent": {"name": "crash"},
     "label_flip": {"name": "label_flip"},
     "alie": {"name": "alie"},
     "ipm": {"name": "ipm", "epsilon": 0.5},
@@ -63,9 +66,16 @@ CLIENTS = 50
 
 def rule_block(name: str, fraction: float) -> dict:
     """A rule's config block: ``f`` (the column's malicious share) for the rule and the pre-aggregators
-    that take one (Bulyan at most 0.22: it needs n >= 4f + 3)."""
+    that take one (Bulyan at most 0.22: it needs n >= 4f + 3). Options may follow the rule's name in
+    parentheses, as in reports: ``ivar_mle(weighting=screen)``."""
+    import yaml
+
+    name, _, options = name.partition("(")
     *pre, final = name.split("+")
     block: dict = {"name": final}
+    for item in filter(None, options.rstrip(")").split(",")):
+        key, _, value = item.partition("=")
+        block[key.strip()] = yaml.safe_load(value)
     if final in BUDGET:
         block["f"] = min(fraction, 0.22) if final == "bulyan" else fraction
     if final == "centered_clipping":
@@ -202,11 +212,20 @@ def report(args, results: dict, seconds: float) -> str:
     clean = {r: means[r, "clean"] for r in args.rules}
     reference = clean.get("fedavg")  # the mean on the clean federation: what an attack takes away from
     # a rule's lowest score over the attacked columns (accuracy, less the ASR under a backdoor)
-    worst = {r: min((scores[r, n] for n in names[1:] if (r, n) in scores), default=None) for r in args.rules}
+    attacked = [n for (a, _), n in zip(columns, names, strict=True) if a not in ("clean", "absent")]
+    worst = {r: min((scores[r, n] for n in attacked if (r, n) in scores), default=None) for r in args.rules}
     complete = [r for r in args.rules if clean[r] is not None and all((r, n) in scores for n in names)]
     own = [r for r in complete if worst[r] >= clean[r] - 0.03]
     ref = [r for r in complete if reference is not None and worst[r] >= reference - 0.03]
-    accurate = [r for r in complete if all(means[r, n] >= clean[r] - 0.03 for n in names)]  # ASR aside
+    accurate = [r for r in complete if all(means[r, n] >= clean[r] - 0.03 for n in attacked)]  # ASR aside
+    # against the federation without the attackers (FedAvg's "absent" column at the same share): what
+    # the attack costs beyond the clients it takes away
+    absent = {f: means.get(("fedavg", f"absent {int(f * 100)}%")) for f in FRACTIONS}
+    beyond = {
+        r: max(absent[f] - scores[r, n] for (a, f), n in zip(columns, names, strict=True)
+               if n in attacked and absent.get(f) is not None)
+        for r in complete
+    } if all(v is not None for v in absent.values()) else {}  # fmt: skip
     runs = [row for rows in results.values() for row in rows]
     head = [
         f"# Robustness: {args.data}, {CLIENTS} clients, Dirichlet(0.5), {args.model}, {args.rounds} rounds",
@@ -237,6 +256,15 @@ def report(args, results: dict, seconds: float) -> str:
         + (f"; of FedAvg's ({reference:.3f}): {', '.join(ref) or 'none'}." if reference is not None else "."),
         "",
     ]
+    if beyond:
+        head += [
+            "Without its attackers the federation itself is less accurate (FedAvg's absent columns: "
+            + ", ".join(f"{int(f * 100)}% {absent[f]:.3f}" for f in FRACTIONS)
+            + "). The most an attack costs each rule beyond that (FedAvg's absent accuracy at the attack's "
+            "share less the rule's score, worst column): "
+            + ", ".join(f"{r} {b:+.3f}" for r, b in sorted(beyond.items(), key=lambda kv: kv[1])),
+            "",
+        ]
     return "\n".join(head)
 
 

@@ -20,6 +20,11 @@ statistics, over the members that have them) and every member keeps the represen
 may form, change or dissolve from one round to the next. ``sybils="off"`` treats every client as its own
 source (the papers' setting).
 
+``weighting="precision"`` (the default, the papers') weights each client by its coefficient in the
+consensus; ``weighting="screen"`` uses the same fit as a screen instead (:mod:`fedtrust.inference.screen`):
+a minority of clients whose noise stands apart is dropped and every other group gets one equal vote, which
+keeps the estimator's detection without its price on honest clients with unusual data.
+
 Degenerate rounds never fail: when every update is (near-)identical there is nothing to weigh, and the
 rule returns that update with equal weights and the reason in ``info["degenerate"]``, its state
 unchanged; when an ICOV fit breaks down on a degenerate round (rank-deficient or collinear updates can
@@ -63,6 +68,7 @@ from fedtrust.aggregators.sybils import Groups, all_identical, near_duplicates
 from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, latent_init
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
 from fedtrust.inference.result import ConvergenceWarning
+from fedtrust.inference.screen import noise_screen
 from fedtrust.inference.tasks import Tasks
 
 PAPER = "Nguyen, Lim, Wynter, Cai 2021, Probabilistic Inference for Learning from Untrusted Sources"
@@ -76,6 +82,9 @@ def _task(round: Round, norms: torch.Tensor | None) -> Tasks:
 
 #: How a group of near-duplicate updates is treated: "share" one vote among them, or "off" (each its own).
 SYBILS = ("share", "off")
+#: What the estimates become: the papers' "precision" weights (each client's consensus coefficient), or
+#: a "screen" (:mod:`fedtrust.inference.screen`: a minority of outlying noise dropped, equal votes).
+WEIGHTINGS = ("precision", "screen")
 
 
 def _representatives(round: Round, groups: Groups) -> Round:
@@ -141,12 +150,20 @@ class _WindowRule(BaseRule):
 
     paper = PAPER
 
-    def __init__(self, window: int, max_iter: int, tol: float | None, sybils: str = "share"):
+    def __init__(
+        self,
+        window: int,
+        max_iter: int,
+        tol: float | None,
+        sybils: str = "share",
+        weighting: str = "precision",
+    ):
         self.window = check_int(f"{self.name}: window", window, minimum=1)
         self.max_iter = check_int(f"{self.name}: max_iter", max_iter, minimum=1)
         # None: the estimator's default, derived from the updates' dtype (fedtrust._checks.stopping_tol)
         self.tol = check_tol(f"{self.name}: tol", tol)
         self.sybils = check_choice(f"{self.name}: sybils", sybils, SYBILS)
+        self.weighting = check_choice(f"{self.name}: weighting", weighting, WEIGHTINGS)
         self._history: deque = deque(maxlen=self.window - 1)
         self._clients: dict[Any, dict[str, Any]] = {}  # client id -> its persistent estimates
         self._shared: dict[str, Any] = {}  # global estimates (ICOV hyper-parameters)
@@ -163,9 +180,24 @@ class _WindowRule(BaseRule):
             return out
         fit_round = _representatives(round, groups)
         # the first pass's norms serve the estimator's own passes when it sees the round itself
-        return self._estimate(
+        out = self._estimate(
             round, groups, fit_round, _task(fit_round, first.norms if groups.trivial else None)
         )
+        return out if self.weighting == "precision" else self._screened(round, groups, out)
+
+    @staticmethod
+    def _screened(round: Round, groups: Groups, out: Aggregate) -> Aggregate:
+        """``weighting="screen"``: the groups the noise screen keeps (:func:`noise_screen` on each group's
+        noise) get one vote each, split among their members; the aggregate is the weighted mean of the
+        updates. ``info["screen"]`` names the dropped clients; the estimator's own weights stay in
+        ``info["clients"]["coefficient"]``."""
+        noise = out.info["clients"]["noise"][groups.first]
+        keep, found = noise_screen(noise, groups.sizes)
+        x = round.updates
+        votes = groups.split(keep.to(torch.float64) / keep.sum())
+        weights = votes.to(device=x.device, dtype=x.dtype)
+        dropped = [c for c, kept in zip(round.client_ids, (votes > 0).tolist(), strict=True) if not kept]
+        return Aggregate(weights @ x, weights, {**out.info, "screen": {**found, "dropped": dropped}})
 
     def _estimate(self, round: Round, groups: Groups, fit_round: Round, task: Tasks) -> Aggregate:
         """Fit the estimator to ``task`` (``fit_round``: one update per group), update the state, and
@@ -298,8 +330,8 @@ class IvarMLE(_WindowRule):
     name = "ivar_mle"
 
     def __init__(self, window: int = 10, eps: float = 1e-12, max_iter: int = 200, tol: float | None = None,
-                 sybils: str = "share"):  # fmt: skip
-        super().__init__(window, max_iter, tol, sybils)
+                 sybils: str = "share", weighting: str = "precision"):  # fmt: skip
+        super().__init__(window, max_iter, tol, sybils, weighting)
         self.eps = check_float(f"{self.name}: eps", eps, minimum=0.0, strict_min=True)
 
     def _history_spec(self) -> Spec:
@@ -333,10 +365,9 @@ class IvarVB(_WindowRule):
 
     name = "ivar_vb"
 
-    def __init__(
-        self, window: int = 10, max_iter: int = 200, tol: float | None = None, sybils: str = "share"
-    ):
-        super().__init__(window, max_iter, tol, sybils)
+    def __init__(self, window: int = 10, max_iter: int = 200, tol: float | None = None, sybils: str = "share",
+                 weighting: str = "precision"):  # fmt: skip
+        super().__init__(window, max_iter, tol, sybils, weighting)
 
     def _history_spec(self) -> Spec:  # eq 13's and eq 12's sums that round
         return Fields({"clients": Dict(Float(minimum=0.0)), "tau": Float(minimum=0.0)})
@@ -397,8 +428,9 @@ class IcovMLE(_WindowRule):
     name = "icov_mle"
 
     def __init__(self, latent_dim: int = 2, window: int = 10, steps: int = 20, max_iter: int = 50,
-                 tol: float | None = None, seed: int = 0, sybils: str = "share"):  # fmt: skip
-        super().__init__(window, max_iter, tol, sybils)
+                 tol: float | None = None, seed: int = 0, sybils: str = "share",
+                 weighting: str = "precision"):  # fmt: skip
+        super().__init__(window, max_iter, tol, sybils, weighting)
         self.latent_dim = check_int(f"{self.name}: latent_dim", latent_dim, minimum=1)
         self.steps = check_int(f"{self.name}: steps", steps, minimum=1)
         self.seed = check_int(f"{self.name}: seed", seed)
@@ -469,8 +501,9 @@ class IcovVB(_WindowRule):
     name = "icov_vb"
 
     def __init__(self, latent_dim: int = 2, noise: str = "per_source", window: int = 10, max_iter: int = 1000,
-                 tol: float | None = None, seed: int = 0, sybils: str = "share"):  # fmt: skip
-        super().__init__(window, max_iter, tol, sybils)
+                 tol: float | None = None, seed: int = 0, sybils: str = "share",
+                 weighting: str = "precision"):  # fmt: skip
+        super().__init__(window, max_iter, tol, sybils, weighting)
         self.latent_dim = check_int(f"{self.name}: latent_dim", latent_dim, minimum=1)
         self.noise = check_choice(f"{self.name}: noise", noise, ("per_source", "shared"))
         self.seed = check_int(f"{self.name}: seed", seed)

@@ -1,0 +1,98 @@
+"""weighting="screen": the IVAR/ICOV noise estimates drop a minority of outlying clients and every other
+source gets one equal vote (fedtrust.inference.screen)."""
+
+import pytest
+import torch
+
+from fedtrust import Round, rule
+from fedtrust.inference.screen import noise_screen
+
+TRUST = ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"]
+
+
+def log_noise(*parts):
+    """Noise variances whose logs are the given (mean, sd, count) normal samples, drawn with a fixed seed."""
+    g = torch.Generator().manual_seed(0)
+    return torch.cat([(m + s * torch.randn(k, generator=g, dtype=torch.float64)).exp() for m, s, k in parts])
+
+
+def test_a_tight_minority_of_high_noise_is_dropped_and_nothing_else():
+    # Fang's attack at 40% on digits looks like this: 30 honest clients spread over two units of log
+    # noise, 20 attackers together about four honest sd above their median
+    noise = log_noise((0.0, 0.5, 30), (1.9, 0.08, 20))
+    keep, found = noise_screen(noise, torch.ones(50))
+    assert found["split"] and found["bic_gain"] >= 6
+    assert keep[:30].all() and not keep[30:].any()
+
+
+def test_one_population_of_honest_clients_is_kept_whole():
+    for seed_sd in (0.3, 0.5, 1.0):
+        keep, found = noise_screen(log_noise((0.0, seed_sd, 50)), torch.ones(50))
+        assert keep.all() and not found["split"], seed_sd
+
+
+def test_a_high_noise_majority_is_never_dropped():
+    """The honest-majority assumption: the screen drops fewer than half of the round's clients, counting
+    each group's members (one group of 30 copies outweighs 20 singletons)."""
+    noise = log_noise((0.0, 0.5, 20), (2.0, 0.05, 30))
+    assert noise_screen(noise, torch.ones(50))[0].all()
+    groups = torch.cat([log_noise((0.0, 0.5, 20)), torch.tensor([7.4])])  # 30 copies in the last group
+    assert noise_screen(groups, torch.cat([torch.ones(20), torch.tensor([30.0])]))[0].all()
+    assert noise_screen(torch.tensor([1.0, 1.1, 50.0, 0.9]), torch.ones(4))[0].all()  # too few to split
+
+
+def spread_round(n_honest=12, n_bad=5, d=400, copies=0, seed=0):
+    """Honest updates around a common direction with client-specific spread; the last ``n_bad`` far off
+    (the last ``copies`` of them one identical vector)."""
+    g = torch.Generator().manual_seed(seed)
+    truth = torch.randn(d, generator=g)
+    scales = torch.linspace(0.5, 1.5, n_honest)
+    honest = truth + scales[:, None] * torch.randn(n_honest, d, generator=g)
+    bad = -truth + 4.0 * torch.randn(n_bad, d, generator=g)
+    if copies:
+        bad[-copies:] = bad[-1]
+    x = torch.cat([honest, bad])
+    return Round(updates=x, client_ids=[f"c{i}" for i in range(len(x))])
+
+
+@pytest.mark.parametrize("name", TRUST)
+def test_screened_trust_is_an_equal_vote_for_every_client_kept(name):
+    r = spread_round()
+    out = rule(name, weighting="screen")(r)
+    kept = out.weights > 0
+    assert kept[:12].all() and not kept[12:].any(), out.weights
+    torch.testing.assert_close(out.weights[:12], torch.full((12,), 1 / 12))
+    torch.testing.assert_close(out.vector, r.updates[:12].mean(0))
+    assert out.info["screen"]["dropped"] == [f"c{i}" for i in range(12, 17)]
+    # the estimator's own precision coefficients stay in the info: honest clients' differ widely
+    coefficient = out.info["clients"]["coefficient"][:12]
+    assert coefficient.max() > 2 * coefficient.min()
+
+
+def test_copies_keep_one_vote_between_them_when_kept():
+    x = spread_round(n_bad=0).updates
+    x = torch.cat([x, x[:1].expand(4, -1)])  # four copies of client 0: with it, one group of five
+    out = rule("ivar_mle", weighting="screen")(Round(updates=x, client_ids=[f"c{i}" for i in range(16)]))
+    group = [0, 12, 13, 14, 15]
+    assert out.weights[group].sum() == pytest.approx(1 / 12)  # twelve sources, twelve votes
+    assert out.weights[1:12] == pytest.approx(torch.full((11,), 1 / 12))
+
+
+@pytest.mark.parametrize("name", ["ivar_mle", "icov_vb"])
+def test_the_screen_changes_how_estimates_are_used_never_the_estimates(name):
+    precision, screen = rule(name), rule(name, weighting="screen")
+    for seed in range(3):
+        r = spread_round(seed=seed)
+        a, b = precision(r), screen(r)
+        torch.testing.assert_close(a.info["clients"]["noise"], b.info["clients"]["noise"])
+    sa, sb = precision.state_dict(), screen.state_dict()
+    assert sa["clients"].keys() == sb["clients"].keys()
+    for cid in sa["clients"]:
+        assert sa["clients"][cid]["noise"] == pytest.approx(sb["clients"][cid]["noise"])
+
+
+def test_weighting_is_checked_like_every_other_option():
+    with pytest.raises(
+        ValueError, match="ivar_vb: weighting must be one of .*'precision', 'screen'.*got 'equal'"
+    ):
+        rule("ivar_vb", weighting="equal")
