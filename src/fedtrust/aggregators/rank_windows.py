@@ -70,7 +70,8 @@ def map_column_blocks(
         slots += counts
         if block_sq is not None:
             sq += block_sq
-    weights = torch.from_numpy(slots / slots.sum()).to(x.dtype)
+    total = slots.sum()  # 0 when a malformed first block stopped the map: the weights mean nothing then
+    weights = torch.from_numpy(slots / total if total > 0 else np.full(n, 1.0 / n)).to(x.dtype)
     if not norms:
         return torch.from_numpy(out), weights, None
     return torch.from_numpy(out), weights, torch.from_numpy(np.sqrt(flagged[0] if stop.is_set() else sq))

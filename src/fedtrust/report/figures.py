@@ -156,7 +156,7 @@ def trust_heatmaps(runs: list[Run], path: Path, title: str = "", formats=FORMATS
     cmap = plt.get_cmap("RdBu").with_extremes(bad="#E4E4E4")
     norm = matplotlib.colors.TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=MAX_SHARE)
     with paper():
-        height = min(2.6, 0.9 + 0.045 * len(order))
+        height = max(1.5, min(2.6, 0.9 + 0.045 * len(order)))
         fig, axes = _panels(len(by_rule), max_cols=4, height=height, sharex=True, sharey=True)
         cols = axes.shape[1]
         image = None
