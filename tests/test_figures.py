@@ -95,3 +95,14 @@ def test_trust_is_drawn_against_an_equal_share_on_one_scale_for_every_rule(sweep
     assert np.allclose(relative_trust(mean, index), 1.0)
     picked = relative_trust(krum, index)  # Krum keeps one client: 6 equal shares on it, 0 elsewhere
     assert np.allclose(np.sort(picked, axis=0), [[0.0]] * 5 + [[6.0]])
+
+
+def test_long_titles_break_between_words_and_before_options_never_inside_a_name():
+    from fedtrust.report.style import wrap
+
+    assert wrap("geometric_median(weighted=True)", 22) == "geometric_median\n(weighted=True)"
+    assert wrap("corruption=label_shuffle, corruption.fraction=0.5", 40).split("\n") == [
+        "corruption=label_shuffle,",
+        "corruption.fraction=0.5",
+    ]
+    assert wrap("median", 22) == "median"

@@ -261,14 +261,18 @@ def sweep_curves(runs: list[Run], path_key: str, path: Path, formats=FORMATS) ->
                         ax.fill_between(xs, mean - sd, mean + sd, color=s["color"], alpha=0.15, lw=0)
                 if q == 0:
                     ax.set_title(wrap(panel, int(13 * PAGE / cols)))
-                if q == len(quantities) - 1:
+                if q == len(quantities) - 1:  # each panel's bottom axes: its x values, whatever lies below
                     ax.set_xlabel(path_key)
-                if p % cols == 0:
-                    ax.set_ylabel(label)
+                    ax.tick_params(axis="x", labelbottom=True)
                 if len(values) > 2 and values[0] > 0 and values[-1] / values[0] >= 100:
                     ax.set_xscale("log")
         for ax in list(axes.flat):
             if not ax.has_data():
                 ax.set_visible(False)
+        for row, (label, _) in zip(axes, quantities * (len(axes) // len(quantities)), strict=True):
+            shown = [ax for ax in row if ax.get_visible()]
+            if shown:  # the row's scale is read off its first drawn panel (a hidden one took the labels)
+                shown[0].tick_params(axis="y", labelleft=True)
+                shown[0].set_ylabel(label)
         _legend(fig, axes, _BAND if several else "")
         return save(fig, path, formats)

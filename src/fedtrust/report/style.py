@@ -123,8 +123,10 @@ def rule_styles(labels) -> dict[str, dict]:
 
 
 def wrap(text: str, width: int) -> str:
-    """A title broken into lines of at most ``width`` characters, so it never runs past its panel."""
-    return "\n".join(textwrap.wrap(text, width)) or text
+    """A title broken into lines of at most ``width`` characters, so it never runs past its panel: at
+    spaces, and before a rule's options (``geometric_median`` / ``(weighted=True)``), not inside a name."""
+    spaced = re.sub(r"(?<=\w)\(", " (", text) if len(text) > width else text
+    return "\n".join(textwrap.wrap(spaced, width, break_long_words=False)) or text
 
 
 def slug(text: str) -> str:
