@@ -1,5 +1,5 @@
-"""One progress bar for every long command: the sweep runner's rounds, the paper experiments' runs and
-folds, the benchmarks' cases (rich; silent when disabled, so logs and CI stay clean).
+"""One progress bar for every long command: the sweep runner's rounds, the paper experiments' runs,
+tables and folds (rich; silent when disabled, so logs and CI stay clean).
 
     with Progress(total=len(jobs), unit="runs") as bar:
         for job in jobs:

@@ -191,12 +191,12 @@ class _WindowRule(BaseRule):
         noise) get one vote each, split among their members; the aggregate is the weighted mean of the
         updates. ``info["screen"]`` names the dropped clients; the estimator's own weights stay in
         ``info["clients"]["coefficient"]``."""
-        noise = out.info["clients"]["noise"][groups.first]
-        keep, found = noise_screen(noise, groups.sizes)
+        keep, found = noise_screen(out.info["clients"]["noise"][groups.first], groups.sizes)  # on the host
         x = round.updates
-        votes = groups.split(keep.to(torch.float64) / keep.sum())
-        weights = votes.to(device=x.device, dtype=x.dtype)
-        dropped = [c for c, kept in zip(round.client_ids, (votes > 0).tolist(), strict=True) if not kept]
+        weights = groups.split(keep.to(torch.float64) / keep.sum()).to(device=x.device, dtype=x.dtype)
+        dropped = [
+            c for c, kept in zip(round.client_ids, groups.expand(keep).tolist(), strict=True) if not kept
+        ]
         return Aggregate(weights @ x, weights, {**out.info, "screen": {**found, "dropped": dropped}})
 
     def _estimate(self, round: Round, groups: Groups, fit_round: Round, task: Tasks) -> Aggregate:

@@ -32,10 +32,10 @@ MIN_GROUPS = 5
 
 def noise_screen(noise: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """Which groups to keep, from their noise variances ``noise`` (groups,) and member counts ``sizes``
-    (groups,): a bool (groups,) tensor on ``noise``'s device, and what the screen found (``split``:
+    (groups,): a bool (groups,) tensor on the CPU, and what the screen found (``split``:
     whether it dropped any; ``bic_gain``: how much the two-component fit lowered BIC, None with fewer than
     ``MIN_GROUPS`` groups)."""
-    keep = torch.ones(len(noise), dtype=torch.bool, device=noise.device)
+    keep = torch.ones(len(noise), dtype=torch.bool)
     if len(noise) < MIN_GROUPS:
         return keep, {"split": False, "bic_gain": None}
     from sklearn.mixture import GaussianMixture
@@ -51,4 +51,4 @@ def noise_screen(noise: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor
     members = sizes.detach().to("cpu", torch.float64).numpy()
     if gain < BIC_MARGIN or members[high].sum() * 2 >= members.sum():
         return keep, {"split": False, "bic_gain": gain}
-    return torch.as_tensor(~high, device=noise.device), {"split": True, "bic_gain": gain}
+    return torch.as_tensor(~high), {"split": True, "bic_gain": gain}

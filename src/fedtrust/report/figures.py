@@ -14,7 +14,7 @@ import matplotlib.ticker
 import numpy as np
 
 from fedtrust.report.results import Run, is_replicate
-from fedtrust.report.style import COLUMN, FORMATS, PAGE, PALE, paper, rule_styles, save, wrap
+from fedtrust.report.style import COLUMN, PAGE, PALE, paper, rule_styles, save, wrap
 
 #: Trust heatmaps colour a weight relative to an equal share of its round; shares above this are drawn
 #: at the top colour (the colour bar's arrow).
@@ -66,7 +66,7 @@ def _line(ax, xs, ys: np.ndarray, style: dict, label: str) -> None:
             ax.errorbar(xs, mean, yerr=sd, fmt="none", ecolor=style["color"], capsize=2, lw=0.8)
 
 
-def metric_curves(runs: list[Run], path: Path, formats=FORMATS) -> Path:
+def metric_curves(runs: list[Run], path: Path) -> Path:
     """One panel per setting, on one y scale; per rule the mean over seeds and a +-1 sd band."""
     settings = list(dict.fromkeys(r.setting for r in runs))
     rules = list(dict.fromkeys(r.rule for r in runs))
@@ -91,14 +91,14 @@ def metric_curves(runs: list[Run], path: Path, formats=FORMATS) -> Path:
         for ax in axes[:, 0]:
             ax.set_ylabel(f"test {metric}")
         _legend(fig, axes, _BAND if any(_seeds(runs, s, r) > 1 for s in settings for r in rules) else "")
-        return save(fig, path, formats)
+        return save(fig, path)
 
 
 def _seeds(runs: list[Run], setting: str, rule: str) -> int:
     return sum(1 for r in runs if r.setting == setting and r.rule == rule)
 
 
-def calibration(runs: list[Run], path: Path, formats=FORMATS) -> Path:
+def calibration(runs: list[Run], path: Path) -> Path:
     """Reliability diagram: observed coverage of central predictive intervals against their nominal
     level, one line per rule (mean over seeds), one panel per setting. On the diagonal = calibrated."""
     from scipy.stats import norm
@@ -134,10 +134,10 @@ def calibration(runs: list[Run], path: Path, formats=FORMATS) -> Path:
         for ax in axes[:, 0]:
             ax.set_ylabel("observed coverage")
         _legend(fig, axes, "central predictive intervals; on the diagonal = calibrated")
-        return save(fig, path, formats)
+        return save(fig, path)
 
 
-def trust_heatmaps(runs: list[Run], path: Path, title: str = "", formats=FORMATS) -> Path:
+def trust_heatmaps(runs: list[Run], path: Path, title: str = "") -> Path:
     """One panel per rule (first seed of each): clients x rounds, coloured by the client's weight over an
     equal share of its round (1 = 1/n: what the mean gives; 0 = shut out), on one colour scale for every
     panel; grey = not sampled, or a round the rule refused. Corrupted clients are listed first, under a
@@ -193,7 +193,7 @@ def trust_heatmaps(runs: list[Run], path: Path, title: str = "", formats=FORMATS
         if bad:
             head += f"; the {bad} corrupted clients on top (red bar)"
         fig.suptitle(wrap(head, 110))
-        return save(fig, path, formats)
+        return save(fig, path)
 
 
 def relative_trust(run: Run, index: dict[str, int]) -> np.ndarray:
@@ -207,7 +207,7 @@ def relative_trust(run: Run, index: dict[str, int]) -> np.ndarray:
     return grid
 
 
-def sweep_curves(runs: list[Run], path_key: str, path: Path, formats=FORMATS) -> Path:
+def sweep_curves(runs: list[Run], path_key: str, path: Path) -> Path:
     """Final metric, and the weight the rule gave corrupted clients, against a numeric swept value: one
     line per rule (mean over seeds, +-1 sd band), one column per combination of the other swept values,
     one y scale per row. A swept rule option (``rule.lam``) is the x axis of one line per rule and its
@@ -275,4 +275,4 @@ def sweep_curves(runs: list[Run], path_key: str, path: Path, formats=FORMATS) ->
                 shown[0].tick_params(axis="y", labelleft=True)
                 shown[0].set_ylabel(label)
         _legend(fig, axes, _BAND if several else "")
-        return save(fig, path, formats)
+        return save(fig, path)

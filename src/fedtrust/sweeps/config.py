@@ -280,9 +280,8 @@ def _label(path: str, value: Any) -> str:
     shell quoting."""
     key = path.removesuffix(".name")
     if isinstance(value, dict):
-        extras = ",".join(f"{k}={v}" for k, v in value.items() if k != "name")
-        value = value.get("name", "") + (f"({extras})" if extras else "")
-    return shell_safe(re.sub(r"[^A-Za-z0-9.,=()_-]+", "-", f"{key}={value}"))
+        value = ",".join([value.get("name", ""), *(f"{k}={v}" for k, v in value.items() if k != "name")])
+    return re.sub(r"[^A-Za-z0-9.,=_-]+", "-", f"{key}={value}")
 
 
 def shell_safe(label: str) -> str:
