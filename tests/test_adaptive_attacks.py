@@ -140,6 +140,27 @@ def test_optimal_strength_harms_the_rule_at_least_as_much_as_the_papers_fixed_on
                for s in grid)  # fmt: skip
 
 
+@pytest.mark.parametrize("name", ["optimal_alie", "optimal_ipm"])
+def test_a_partial_knowledge_optimal_attack_never_reads_the_benign_updates(name):
+    # Fang et al. 2020, Section 3: with partial knowledge the attacker sees only its own clients' honest
+    # updates; it scores strengths on stand-ins drawn from their mean and spread, so what it sends is the
+    # same whatever the benign clients computed (the omniscient attacker's is not)
+    server = rule("median")
+    benign = random_benign(n=12, d=20, seed=8)
+
+    def sent(benign, knowledge):
+        ctx = context(benign, bad=5, aggregate=lambda u: server(Round(u)).vector)
+        return attack(name, knowledge=knowledge)(ctx)
+
+    torch.testing.assert_close(sent(benign, "partial"), sent(benign * 3 - 7, "partial"))
+    assert not torch.allclose(sent(benign, "omniscient"), sent(benign * 3 - 7, "omniscient"))
+    ctx = context(benign, bad=5, aggregate=lambda u: server(Round(u)).vector)
+    ctx.deviation(torch.zeros(5, 20), "partial")
+    stand_ins = ctx.stand_ins(torch.zeros(5, 20))
+    assert torch.equal(stand_ins[5:].isfinite(), torch.ones(12, 20, dtype=torch.bool))
+    assert not torch.isin(benign, stand_ins).any()  # no benign value leaks into the attacker's picture
+
+
 def test_an_attack_that_optimises_against_the_rule_needs_the_oracle():
     with pytest.raises(ValueError, match="no 'aggregate' oracle"):
         attack("optimal_alie")(context(random_benign()))

@@ -32,11 +32,32 @@ def test_dba_stripes_are_disjoint_and_make_up_the_global_trigger():
     assert all(int(m.sum()) == 4 for m in masks)
     assert not any((masks[i] & masks[j]).any() for i in range(4) for j in range(i + 1, 4))
     assert torch.equal(masks[0] | masks[1] | masks[2] | masks[3], dba.mask())
-    # each corrupted client stamps one stripe, chosen by its own stream: replayed by the same stream
+    # called without a client rank, a stripe is drawn from the client's stream: replayed by the same stream
     x = torch.zeros(2, 784)
     one = dba(x, torch.zeros(2, dtype=torch.long), 10, torch.Generator().manual_seed(5))[0]
     again = dba(x, torch.zeros(2, dtype=torch.long), 10, torch.Generator().manual_seed(5))[0]
     assert torch.equal(one, again) and int((one[0] == 1).sum()) == 4
+
+
+def test_dba_gives_the_ith_attacker_the_ith_stripe_so_together_they_stamp_the_whole_trigger():
+    # Xie et al. 2020, Section 3: attacker i embeds local pattern i. Digits are 8x8: the trigger is the
+    # bottom-right 4x4 square (size max(parts, 2, 8 // 7)), four stripes of one row each
+    from fedtrust.data.corruptions import data_corruption
+    from fedtrust.data.datasets import load_digits
+    from fedtrust.data.partition import partitioner
+    from fedtrust.sim.federation import build_federation
+
+    digits = load_digits()
+    dba = data_corruption("dba", input_shape=digits.input_shape, parts=4)
+    fed = build_federation(digits, 10, partitioner("iid"), 0, dba, corrupted_fraction=0.8)
+    stripes = [dba.mask(dba.stripe(p)) for p in range(4)]
+    stamped = []
+    for k in torch.nonzero(fed.corrupted).squeeze(1).tolist():
+        x = fed.data[k][0]
+        lit = [p for p, m in enumerate(stripes) if bool((x[:, m] == dba.value).all())]
+        assert len(lit) == 1  # one stripe per attacker
+        stamped.append(lit[0])
+    assert stamped == [0, 1, 2, 3, 0, 1, 2, 3]  # in rank order: every stripe twice, none left out
 
 
 def test_bad_backdoor_options_are_named():
@@ -55,6 +76,14 @@ def test_model_replacement_boosts_the_poisoned_update_by_n_over_eta():
     ctx = AttackContext(updates, bad, torch.zeros(4), "params", torch.Generator(), server_lr=0.5)
     torch.testing.assert_close(attack("model_replacement")(ctx), 20 * updates[:2])  # gamma = 10 / 0.5
     torch.testing.assert_close(attack("model_replacement", boost=3.0)(ctx), 3 * updates[:2])
+    # eq 3 is one attacker's boost: k attackers that split it replace the model together, each
+    # sending n / (eta k) times its update, and the mean moves the model by exactly their mean update
+    split = attack("model_replacement", split=True)(ctx)
+    torch.testing.assert_close(split, 10 * updates[:2])  # gamma = 10 / (0.5 * 2)
+    step = 0.5 * (split.sum(0) + updates[2:].sum(0)) / 10  # eta * mean of what the server receives
+    torch.testing.assert_close(step, updates[:2].mean(0) + 0.05 * updates[2:].sum(0))
+    with pytest.raises(TypeError, match="split must be True or False, got 'yes'"):
+        attack("model_replacement", split="yes")
 
 
 def test_attack_success_rate_counts_triggered_non_target_images_classified_as_the_target():

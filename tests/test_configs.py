@@ -180,3 +180,18 @@ def test_the_committed_example_configs_are_valid():
     for path in configs:
         cfg = load(path)
         assert expand(cfg)
+
+
+def test_a_component_on_one_line_reads_its_options_as_yaml():
+    from fedtrust.registry import parse_spec
+
+    assert parse_spec("median") == ("median", {})
+    assert parse_spec("ivar_mle(weighting=screen)") == ("ivar_mle", {"weighting": "screen"})
+    assert parse_spec(" backdoor(target=3, samples=0.5, split=true) ") == (
+        "backdoor",
+        {"target": 3, "samples": 0.5, "split": True},
+    )
+    with pytest.raises(ValueError, match=r"'dba\(parts=2': options go in parentheses"):
+        parse_spec("dba(parts=2")
+    with pytest.raises(ValueError, match="option 'parts' is not of the form key=value"):
+        parse_spec("dba(parts)")

@@ -52,6 +52,12 @@ def check_float(
     return value
 
 
+def check_bool(field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{field} must be True or False, got {value!r}")
+    return value
+
+
 def check_choice(field: str, value: Any, choices: Iterable[str]) -> str:
     choices = tuple(choices)
     if value not in choices:

@@ -62,6 +62,24 @@ def check_options(kind: str, name: str, builder: Callable, options: Mapping[str,
         check_seed(f"{kind} {name!r}: seed", options["seed"])
 
 
+def parse_spec(text: str) -> tuple[str, dict[str, Any]]:
+    """A component written on one line, ``name`` or ``name(key=value, ...)`` (values read as YAML:
+    ``ivar_mle(weighting=screen)``, ``model_replacement(boost=10)``) -> (name, options): how a report
+    names a rule with options and a Flower node config names its corruption or attack."""
+    import yaml
+
+    name, paren, rest = str(text).strip().partition("(")
+    if paren and not rest.rstrip().endswith(")"):
+        raise ValueError(f"{text!r}: options go in parentheses, as in 'name(key=value, other=value)'")
+    options: dict[str, Any] = {}
+    for item in filter(str.strip, rest.rstrip()[:-1].split(",") if paren else []):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip().isidentifier():
+            raise ValueError(f"{text!r}: option {item.strip()!r} is not of the form key=value")
+        options[key.strip()] = yaml.safe_load(value)
+    return name.strip(), options
+
+
 def build(kind: str, table: Mapping[str, Callable], name: str, options: Mapping[str, Any], **supplied) -> Any:
     """``table[name](**supplied, **options)`` after checking the name and the user's option names
     (``supplied`` arguments come from the caller, e.g. the dataset a model is built for)."""

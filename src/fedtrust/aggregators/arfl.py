@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from fedtrust._checks import check_choice, check_float
+from fedtrust._checks import check_bool, check_choice, check_float
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, NoValidUpdates, Round, RoundRefused
 from fedtrust.aggregators.loss_defences import DEFENCES, defend
@@ -89,9 +89,7 @@ class ARFL(BaseRule):
 
     def __init__(self, lam: float = 1.0, fresh: bool = False, defence: str = "none"):
         self.lam = check_float(f"{self.name}: lam", lam, minimum=0.0, strict_min=True)
-        if not isinstance(fresh, bool):
-            raise TypeError(f"{self.name}: fresh must be True or False, got {fresh!r}")
-        self.fresh = fresh
+        self.fresh = check_bool(f"{self.name}: fresh", fresh)
         self.defence = check_choice(f"{self.name}: defence", defence, DEFENCES)
         self._loss: dict[Any, float] = {}
         self._samples: dict[Any, float] = {}

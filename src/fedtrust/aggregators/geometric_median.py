@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedtrust._checks import check_float, check_int, check_tol, resolve_tol
+from fedtrust._checks import check_bool, check_float, check_int, check_tol, resolve_tol
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round
 from fedtrust.aggregators.mean import sample_weights
@@ -47,9 +47,7 @@ class GeometricMedian(BaseRule):
         self.nu = check_float(f"{self.name}: nu", nu, minimum=0.0, strict_min=True)
         self.max_iter = check_int(f"{self.name}: max_iter", max_iter, minimum=1)
         self.tol = check_tol(f"{self.name}: tol", tol)
-        if not isinstance(weighted, bool):
-            raise TypeError(f"{self.name}: weighted must be True or False, got {weighted!r}")
-        self.weighted = weighted
+        self.weighted = check_bool(f"{self.name}: weighted", weighted)
 
     def first_pass(self, round: Round) -> FirstPass:  # the first step's fused pass takes the norms
         x = round.updates

@@ -58,7 +58,11 @@ class _Agnostic(Knowing):
     """min-max / min-sum: grad_m = mean(known) + gamma * grad_p, every corrupted client sends grad_m,
     with the largest gamma its criterion allows (found in closed form: the criterion is a quadratic in
     gamma; the paper searches for the same gamma by halving steps). One read of the matrix for the
-    statistics and one Gram matrix of the known updates for the distances."""
+    statistics and one Gram matrix of the known updates for the distances.
+
+    The closed form is the exact largest gamma, with no upper bound; the paper's halving search (its
+    Algorithm 1) starts at gamma_init (10 or 50 in the authors' code) and so never exceeds twice that:
+    where the criterion allows more, this attack goes further than a reproduction of their code."""
 
     def __init__(self, direction: str = "unit_vec", knowledge: str = "omniscient"):
         super().__init__(knowledge)
@@ -105,7 +109,10 @@ class MinSum(_Agnostic):
         sum_i ||grad_m - grad_i||^2 <= max_i sum_j ||grad_i - grad_j||^2.
 
     With mu the known updates' mean the cross term vanishes (sum_i (mu - x_i) = 0), so
-    gamma = sqrt((max_i sum_j ||x_i - x_j||^2 - sum_i ||mu - x_i||^2) / (n ||p||^2))."""
+    gamma = sqrt((max_i sum_j ||x_i - x_j||^2 - sum_i ||mu - x_i||^2) / (n ||p||^2)).
+
+    The threshold is the paper's text (the max over benign clients of their sums of squared distances);
+    the authors' published code takes the min, a weaker attack: reproductions built on it differ."""
 
     name = "min_sum"
 
@@ -126,7 +133,11 @@ class FangKrum(Knowing):
     f = c) selects the crafted update, or until it falls below ``threshold`` (then lambda = threshold).
     Krum's distances are computed once: the crafted row's distances to the benign updates are a
     quadratic in lambda. With partial knowledge the corrupted clients' own honest updates stand in for the
-    benign ones (the paper's partial-knowledge attack)."""
+    benign ones (the paper's partial-knowledge attack), so Krum is simulated on 2c rows.
+
+    Where this differs from the paper: s is the sign of the benign mean, not of the rule's own
+    no-attack aggregate; the other corrupted clients send exact copies, not vectors within epsilon of it;
+    the server's Krum is assumed to use f = c."""
 
     name = "fang_krum"
 
@@ -185,7 +196,9 @@ class FangTrimmedMean(Knowing):
     - partial knowledge: from [mu - 4 sigma, mu - 3 sigma] where s_j > 0 and [mu + 3 sigma, mu + 4 sigma]
       otherwise, mu and sigma over the corrupted clients' own honest updates.
 
-    Each corrupted client draws its own values (``b`` = 2, the paper's choice)."""
+    Each corrupted client draws its own values (``b`` = 2, the paper's choice). The paper works on
+    parameters and takes s_j from the rule's own no-attack aggregate; here the signs are those of update
+    values and of the benign mean (the usual adaptation to update space)."""
 
     name = "fang_trimmed_mean"
 
@@ -261,7 +274,10 @@ class _Optimal(Knowing):
             self.last = self.high
         else:
             self.last = maximise(
-                lambda s: ctx.deviation(self.craft(mean, std, s)), self.high, self.grid, self.steps
+                lambda s: ctx.deviation(self.craft(mean, std, s), self.knowledge),
+                self.high,
+                self.grid,
+                self.steps,
             )
         return self.craft(mean, std, self.last).expand(ctx.num_bad, -1)
 
@@ -272,7 +288,9 @@ class _Optimal(Knowing):
 
 class OptimalALIE(_Optimal):
     """ALIE (Baruch et al. 2019) with z chosen each round against the server's rule: every corrupted
-    client sends mu - z sigma with z in [0, ``high``] maximising ||rule(sent) - mean(benign)||."""
+    client sends mu - z sigma with z in [0, ``high``] maximising ||rule(sent) - mean(benign)||. ByzFL's
+    variant searches tau in both signs with no upper limit (mu + tau sigma); this one goes only against
+    the spread, as ALIE does, up to ``high``."""
 
     name = "optimal_alie"
 
@@ -286,7 +304,8 @@ class OptimalALIE(_Optimal):
 class OptimalIPM(_Optimal):
     """IPM (Xie et al. 2020) with epsilon chosen each round against the server's rule: every corrupted
     client sends -epsilon * mean(known) with epsilon in [0, ``high``] maximising
-    ||rule(sent) - mean(benign)||."""
+    ||rule(sent) - mean(benign)||. ByzFL's variant sends (1 - tau) mu for any tau >= 0, so also shrunken
+    positive multiples of the mean; this one only non-positive multiples, as IPM does."""
 
     name = "optimal_ipm"
 

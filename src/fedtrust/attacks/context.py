@@ -121,10 +121,12 @@ class AttackContext:
         buffer[self.bad] = sent.to(buffer.dtype)
         return buffer
 
-    def deviation(self, sent: torch.Tensor) -> float:
+    def deviation(self, sent: torch.Tensor, knowledge: str = "omniscient") -> float:
         """How far the server's aggregate moves from the benign clients' mean when the corrupted ones send
         ``sent``: the harm an attack that knows the rule maximises (0 when the rule refuses the round or
-        its aggregate is not finite: the server would keep its model)."""
+        its aggregate is not finite: the server would keep its model). An attacker with ``partial``
+        knowledge has not seen the benign updates: it scores ``sent`` on a round whose benign rows are its
+        own stand-ins (:meth:`stand_ins`), against the mean of the updates it knows."""
         from fedtrust.aggregators.core import RoundRefused
 
         if self.aggregate is None:
@@ -133,16 +135,30 @@ class AttackContext:
                 "oracle: run it in the simulator (or pass AttackContext(aggregate=...))"
             )
         try:
-            out = self.aggregate(self.with_sent(sent))
+            out = self.aggregate(self.with_sent(sent) if knowledge == "omniscient" else self.stand_ins(sent))
         except RoundRefused:
             return 0.0
         if not bool(torch.isfinite(out).all()):
             return 0.0
-        target = self.__dict__.get("_target")
-        if target is None:
-            target = self.mean("omniscient").to(torch.float64)
-            object.__setattr__(self, "_target", target)
-        return float((out.to(torch.float64) - target).norm())
+        targets = self.__dict__.setdefault("_targets", {})
+        if knowledge not in targets:
+            targets[knowledge] = self.mean(knowledge).to(torch.float64)
+        return float((out.to(torch.float64) - targets[knowledge]).norm())
+
+    def stand_ins(self, sent: torch.Tensor) -> torch.Tensor:
+        """The round as a ``partial``-knowledge attacker pictures it when its clients send ``sent``: every
+        benign row replaced by a draw from N(mean, std^2) of its own clients' honest updates, coordinate
+        by coordinate (the estimate Fang et al. 2020, Section 3, give such an attacker), drawn once a
+        round; the corrupted rows hold ``sent``."""
+        buffer = self.__dict__.get("_stand_ins")
+        if buffer is None:
+            mean, std = self.mean_std("partial")
+            buffer = self.updates.clone()
+            good = ~self.bad
+            buffer[good] = mean + std * self.draw((int(good.sum()), buffer.shape[1]))
+            object.__setattr__(self, "_stand_ins", buffer)
+        buffer[self.bad] = sent.to(buffer.dtype)
+        return buffer
 
 
 class Knowing:

@@ -15,7 +15,7 @@ from statistics import NormalDist
 
 import torch
 
-from fedtrust._checks import check_choice, check_float, check_int
+from fedtrust._checks import check_bool, check_choice, check_float, check_int
 from fedtrust.aggregators.distances import gram
 from fedtrust.aggregators.passes import row_norms
 from fedtrust.attacks.context import AttackContext, Knowing
@@ -81,22 +81,38 @@ class ModelReplacement:
     update space that is gamma times its honest-on-poisoned-data update, gamma = n / eta: n the clients in
     the round, eta the server's learning rate on the aggregate (``train.server_lr``); ``boost`` overrides
     gamma. Pair it with a backdoor data corruption (``corruption: {name: backdoor, attack: {name:
-    model_replacement}}``)."""
+    model_replacement}}``).
+
+    Eq 3 is one attacker's boost. When k corrupted clients each send it, the mean moves the global model
+    k times as far as replacement needs (the default, as a single attacker's boost is usually applied
+    per attacker). ``split=True`` shares the boost, gamma = n / (eta k): together the k attackers replace
+    the model exactly, with k times smaller, stealthier updates.
+
+    A Flower node sees neither n nor eta: there it needs ``boost``."""
 
     name = "model_replacement"
 
-    def __init__(self, boost: float | None = None):
+    def __init__(self, boost: float | None = None, split: bool = False):
         self.boost = None if boost is None else check_float("attack model_replacement: boost", boost)
+        self.split = check_bool("attack model_replacement: split", split)
+
+    @property
+    def colluding(self) -> bool:
+        """Without ``boost`` the attack reads the round's size: a lone node cannot run it."""
+        return self.boost is None
 
     def __call__(self, ctx: AttackContext) -> torch.Tensor:
         gamma = self.boost if self.boost is not None else len(ctx.updates) / ctx.server_lr
+        if self.split:
+            gamma /= max(ctx.num_bad, 1)
         return gamma * ctx.own
 
 
 class ALIE(Knowing):
     """ "A little is enough" (Baruch, Baruch, Goldberg 2019): every corrupted client sends
     mu - z * sigma, the benign updates' coordinate-wise mean and standard deviation, with
-    z = Phi^-1((n - s) / n), s = floor(n / 2 + 1) - f (their eq. for z_max) unless ``z`` is given."""
+    z = Phi^-1((n - s) / n), s = floor(n / 2 + 1) - f (their eq. for z_max) unless ``z`` is given. With
+    f >= n / 2 + 1 the formula has no finite z; the quantile is clipped to 1 - 1e-6 (z = 4.75)."""
 
     name = "alie"
 

@@ -4,11 +4,12 @@ target while its clean accuracy stays intact.
 
 - :class:`Backdoor`: BadNets (Gu, Dolan-Gavitt, Garg, "BadNets: Evaluating Backdooring Attacks on Deep
   Neural Networks", IEEE Access 2019): one square trigger in the bottom-right corner of every channel,
-  set to the data's maximum pixel value (1 for fedtrust's [0, 1]-scaled images).
+  set to ``value`` (default 1.0: white on fedtrust's [0, 1]-scaled images; on CIFAR-10 loaded with
+  ``normalize=True`` the trigger is stamped on standardised pixels, where white is about 2).
 - :class:`DistributedBackdoor`: DBA (Xie, Huang, Chen, Li, "DBA: Distributed Backdoor Attacks against
-  Federated Learning", ICLR 2020): the same global trigger cut into ``parts`` horizontal stripes; each
-  corrupted client stamps only its own stripe (drawn from its random stream), and the model is tested
-  with the whole trigger.
+  Federated Learning", ICLR 2020): the same global trigger cut into ``parts`` horizontal stripes; the
+  i-th corrupted client stamps only stripe i mod ``parts`` (their Section 3: attacker i embeds local
+  pattern i, so together they cover the global trigger), and the model is tested with the whole trigger.
 
 Both are data corruptions (``corruption: {name: backdoor, fraction: 0.2, samples: 0.5}``): ``samples``
 is the share of a corrupted client's rows that are poisoned; the rest stay clean, as in both papers, so
@@ -87,8 +88,10 @@ class Backdoor:
 
 
 class DistributedBackdoor(Backdoor):
-    """DBA: the global trigger's rows cut into ``parts`` stripes; each corrupted client stamps one stripe
-    (drawn from its own random stream, so a run replays it), and evaluation stamps the whole trigger.
+    """DBA: the global trigger's rows cut into ``parts`` stripes; corrupted client ``client`` (its rank
+    among the corrupted clients, which the simulator and the Flower client pass) stamps stripe ``client
+    mod parts``, and evaluation stamps the whole trigger. Called without ``client`` it draws a stripe
+    from ``g``.
     ``size`` defaults to max(parts, H // 7) so every stripe holds at least one row."""
 
     name = "dba"
@@ -109,7 +112,7 @@ class DistributedBackdoor(Backdoor):
         rows = list(self.rows())
         return [r for i, r in enumerate(rows) if i * self.parts // len(rows) == part]
 
-    def __call__(self, x, y, num_classes, g):
+    def __call__(self, x, y, num_classes, g, client: int | None = None):
         self.check_target(num_classes)
-        part = int(torch.randint(self.parts, (1,), generator=g))
+        part = int(torch.randint(self.parts, (1,), generator=g)) if client is None else client % self.parts
         return self.stamp(x, self.stripe(part)), torch.full_like(y, self.target)

@@ -7,6 +7,8 @@ decided by the simulator and recorded; rules never see it.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from fedtrust._checks import check_float, check_int
@@ -95,13 +97,23 @@ def data_corruption(name: str, **options):
     return build("corruption", DATA_CORRUPTIONS, name, options)
 
 
-def corrupt(corruption, x, y, num_classes, fraction: float, g: torch.Generator):
-    """Apply ``corruption`` to a random ``fraction`` of the rows of (x, y); returns new tensors."""
+def _takes_client(corruption) -> bool:
+    try:
+        return "client" in inspect.signature(corruption).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
+def corrupt(corruption, x, y, num_classes, fraction: float, g: torch.Generator, client: int | None = None):
+    """Apply ``corruption`` to a random ``fraction`` of the rows of (x, y); returns new tensors.
+    ``client`` (the client's rank among the corrupted ones) is passed on to a corruption that takes it
+    (DBA: which stripe of the trigger this client stamps)."""
     k = int(round(fraction * len(y)))
     if k == 0:
         return x, y
     rows = torch.randperm(len(y), generator=g)[:k]
-    cx, cy = corruption(x[rows], y[rows], num_classes, g)
+    which = {"client": client} if client is not None and _takes_client(corruption) else {}
+    cx, cy = corruption(x[rows], y[rows], num_classes, g, **which)
     x, y = x.clone(), y.clone()
     x[rows], y[rows] = cx, cy
     return x, y

@@ -93,17 +93,15 @@ def build_federation(
     for k, rows in enumerate(parts):
         x, y = dataset.x_train[rows], dataset.y_train[rows]
         if bad[k] and corruption is not None:
-            x, y = corrupt(
-                corruption, x, y, dataset.num_classes, corrupted_samples, stream(seed, "corrupt", k)
-            )
+            x, y = corrupt(corruption, x, y, dataset.num_classes, corrupted_samples,
+                           stream(seed, "corrupt", k), client=int(bad[:k].sum()))  # fmt: skip
         data.append((x, y))
     for a in range(added):
         source = int(torch.randint(clients, (1,), generator=stream(seed, "added", a)))
         x, y = dataset.x_train[parts[source]], dataset.y_train[parts[source]]
         if corruption is not None:
-            x, y = corrupt(
-                corruption, x, y, dataset.num_classes, corrupted_samples, stream(seed, "corrupt", clients + a)
-            )
+            x, y = corrupt(corruption, x, y, dataset.num_classes, corrupted_samples,
+                           stream(seed, "corrupt", clients + a), client=n_bad + a)  # fmt: skip
         data.append((x, y))
     bad = torch.cat([bad, torch.ones(added, dtype=torch.bool)])
     total = clients + added
