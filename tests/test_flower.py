@@ -144,6 +144,46 @@ def test_simulation_corrupts_the_partitions_the_run_config_lists():
     }
 
 
+def test_a_node_role_takes_options_and_dba_nodes_take_the_stripes_in_listed_order():
+    from fedtrust.flower.client import LocalData, _attacked, _Nodes
+
+    run_config = {"fedtrust-corrupted-partitions": "7 4", "fedtrust-corruption": "dba(parts=2, samples=0.5)"}
+    x, y = torch.rand(10, 64) * 0.5, torch.arange(10) % 10
+
+    def context(pid, **node):
+        return Context(run_id=1, node_id=pid, node_config={"partition-id": pid, **node}, state=RecordDict(),
+                       run_config=run_config)  # fmt: skip
+
+    nodes = _Nodes(lambda c: torch.nn.Linear(64, 10), lambda c: LocalData(x, y, x, y, 10, (1, 8, 8)),
+                   "classification", 0)  # fmt: skip
+    # 8x8 images: a 2x2 trigger in the corner, stripe 0 its row 6, stripe 1 its row 7
+    for pid, row in ((7, 6), (4, 7)):
+        data = nodes(context(pid))[1]
+        poisoned = data.y_train != y
+        assert (
+            int((data.y_train == 0).sum() - (y == 0).sum()) == int(poisoned.sum())
+            and int(poisoned.sum()) >= 4
+        )
+        lit = data.x_train[:, [row * 8 + 6, row * 8 + 7]] == 1.0
+        other = data.x_train[:, [(13 - row) * 8 + 6, (13 - row) * 8 + 7]] == 1.0
+        assert int(lit.all(1).sum()) == 5 and not other.any()  # half the rows, this node's stripe only
+    honest = nodes(context(2))[1]
+    assert honest.x_train is x
+    # a trigger needs the images' shape, named in the error
+    shapeless = _Nodes(lambda c: torch.nn.Linear(64, 10), lambda c: LocalData(x, y, x, y, 10),
+                       "classification", 0)  # fmt: skip
+    with pytest.raises(ValueError, match="input_shape"):
+        shapeless(context(4))
+    # model replacement on a lone node: boost given, or a clear refusal (it cannot count the round)
+    start, new, g = torch.zeros(3), torch.ones(3), torch.Generator()
+    boosted = _attacked(context(4, **{"fedtrust-attack": "model_replacement(boost=10)"}), start, new, g)
+    torch.testing.assert_close(boosted, torch.full((3,), 10.0))
+    with pytest.raises(ValueError, match=r"boost="):
+        _attacked(context(4, **{"fedtrust-attack": "model_replacement"}), start, new, g)
+    with pytest.raises(ValueError, match="samples must be <= 1.0, got 2.0"):
+        shapeless(context(5, **{"fedtrust-corruption": "label_flip(samples=2)"}))
+
+
 def test_a_sign_flipping_node_is_caught_and_a_colluding_attack_is_refused():
     strategy = TrustStrategy(rule="ivar_vb", fraction_evaluate=0.0, min_available_nodes=4)
     result = run(strategy, federation(bad={3: {"fedtrust-attack": "sign_flip"}}))

@@ -9,11 +9,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedtrust._checks import check_float
 from fedtrust.attacks import AttackContext, attack
-from fedtrust.data.corruptions import corrupt, data_corruption
+from fedtrust.data.corruptions import DATA_CORRUPTIONS, corrupt, data_corruption
 from fedtrust.flower.arrays import ArrayLayout
 from fedtrust.flower.replies import NAME_LIMIT, NODE_RECORD
 from fedtrust.models import FlatModel
+from fedtrust.registry import lookup, options_of, parse_spec
 from fedtrust.sim.training import local_sgd, mean_loss
 
 
@@ -26,11 +28,14 @@ class LocalData:
     x_test: torch.Tensor
     y_test: torch.Tensor
     num_classes: int | None = None
+    input_shape: tuple[int, ...] | None = None  # (C, H, W) of image rows: backdoor corruptions need it
 
 
 #: Config keys that make a node corrupted (for demos and tests of robustness):
-#:   fedtrust-corruption = "label_flip" (any data corruption), fedtrust-attack = "sign_flip" (any update
-#:   attack that needs only the node's own update), fedtrust-lie = 0.0 (report this train_loss instead).
+#:   fedtrust-corruption = "label_flip" (any data corruption; options in parentheses, e.g.
+#:   "backdoor(target=3, samples=0.5)": ``samples`` is the share of the node's rows corrupted, default all),
+#:   fedtrust-attack = "sign_flip" (any update attack that needs only the node's own update, e.g.
+#:   "model_replacement(boost=10)"), fedtrust-lie = 0.0 (report this train_loss instead).
 CORRUPTION, ATTACK, LIE = "fedtrust-corruption", "fedtrust-attack", "fedtrust-lie"
 #: Run-config key listing the partition ids that take the run config's corruption keys (simulation,
 #: where node configs hold only ``partition-id``): e.g. ``fedtrust-corrupted-partitions = "0 3"``.
@@ -153,28 +158,61 @@ class _Nodes:
         if key not in self.cache:
             model = FlatModel(self.model_fn(context), self.task)
             data = self.data_fn(context)
-            name = node_role(context).get(CORRUPTION)
-            if name:
+            spec = node_role(context).get(CORRUPTION)
+            if spec:
                 # by partition where there is one: node ids are drawn anew by every SuperLink
                 who = context.node_config.get("partition-id", context.node_id)
                 g = torch.Generator().manual_seed(self.seed + int(who) % 2**31)
-                x, y = corrupt(
-                    data_corruption(str(name)), data.x_train, data.y_train, data.num_classes, 1.0, g
-                )
-                data = LocalData(x, y, data.x_test, data.y_test, data.num_classes)
+                corruption, samples = _corruption(spec, data)
+                x, y = corrupt(corruption, data.x_train, data.y_train, data.num_classes, samples, g,
+                               client=_rank(context))  # fmt: skip
+                data = LocalData(x, y, data.x_test, data.y_test, data.num_classes, data.input_shape)
             self.cache[key] = (model, data)
         return self.cache[key]
+
+
+def _corruption(spec: str, data: LocalData):
+    """The data corruption a node's role names (``name`` or ``name(options)``) and the share of its rows
+    it corrupts (the ``samples`` option, default all)."""
+    name, options = parse_spec(spec)
+    samples = check_float(f"{CORRUPTION} {spec!r}: samples", options.pop("samples", 1.0), minimum=0.0,
+                          maximum=1.0)  # fmt: skip
+    builder = lookup("corruption", DATA_CORRUPTIONS, name)
+    supplied = {}
+    if "input_shape" in options_of(builder):
+        if data.input_shape is None:
+            raise ValueError(
+                f"{CORRUPTION} {spec!r} stamps a trigger on images: give the node's LocalData its "
+                "input_shape (C, H, W), e.g. LocalData(..., input_shape=(1, 28, 28))"
+            )
+        supplied["input_shape"] = data.input_shape
+    return data_corruption(name, **supplied, **options), samples
+
+
+def _rank(context: Context) -> int | None:
+    """The node's rank among the corrupted partitions the run config lists (DBA's stripe), else its
+    partition id."""
+    who = str(context.node_config.get("partition-id", ""))
+    listed = str(context.run_config.get(CORRUPTED_PARTITIONS, "")).replace(",", " ").split()
+    if who in listed:
+        return listed.index(who)
+    return int(who) if who.isdigit() else None
 
 
 def _attacked(context: Context, start: torch.Tensor, new: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """The model a node sends: ``new``, or what the update attack its role names makes of it (one that
     needs only the node's own update)."""
-    name = node_role(context).get(ATTACK)
-    if not name:
+    spec = node_role(context).get(ATTACK)
+    if not spec:
         return new
-    adversary = attack(str(name))
+    name, options = parse_spec(spec)
+    adversary = attack(name, **options)
     if getattr(adversary, "colluding", False):
-        raise ValueError(f"attack {name!r} needs the other clients' updates; a single client cannot run it")
+        hint = " (give it boost=, e.g. 'model_replacement(boost=10)')" if name == "model_replacement" else ""
+        raise ValueError(
+            f"{ATTACK} {spec!r} needs the other clients' updates or their number; a single node cannot "
+            f"run it{hint}"
+        )
     ctx = AttackContext((new - start)[None], torch.tensor([True]), start, "params", g)
     return start + adversary(ctx)[0]
 
