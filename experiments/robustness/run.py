@@ -12,7 +12,10 @@ options in ``ATTACKS`` below):
 - ``mimic``: every corrupted client sends a copy of one benign client's update (a sybil group of copies);
 - ``sybil_ipm``: every corrupted client sends the same crafted vector, -3 x the benign mean;
 - ``backdoor``: BadNets (a corner trigger on half of each corrupted client's rows, labelled 0),
-  with model replacement's boost; the cell is clean accuracy, the attack success rate beside it.
+  with model replacement's boost n / eta on every corrupted client; the cell is clean accuracy, the
+  attack success rate beside it;
+- ``backdoor_split``: the same with the boost split among the k corrupted clients (n / (eta k) each:
+  together they replace the model exactly, each update k times smaller, so harder to tell apart).
 
 Rules with a Byzantine budget get f = the column's malicious share (Bulyan at most (n - 3) / 4).
 Cells: final test accuracy, mean +- sd over the seeds. Every run is cached in
@@ -59,6 +62,11 @@ ATTACKS = {
     "mimic": {"name": "mimic", "target": 0},
     "sybil_ipm": {"name": "ipm", "epsilon": 3.0},
     "backdoor": {"name": "backdoor", "samples": 0.5, "attack": {"name": "model_replacement"}},
+    "backdoor_split": {
+        "name": "backdoor",
+        "samples": 0.5,
+        "attack": {"name": "model_replacement", "split": True},
+    },
 }
 FRACTIONS = (0.2, 0.4)
 CLIENTS = 50
@@ -68,14 +76,11 @@ def rule_block(name: str, fraction: float) -> dict:
     """A rule's config block: ``f`` (the column's malicious share) for the rule and the pre-aggregators
     that take one (Bulyan at most 0.22: it needs n >= 4f + 3). Options may follow the rule's name in
     parentheses, as in reports: ``ivar_mle(weighting=screen)``."""
-    import yaml
+    from fedtrust.registry import parse_spec
 
-    name, _, options = name.partition("(")
+    name, options = parse_spec(name)
     *pre, final = name.split("+")
-    block: dict = {"name": final}
-    for item in filter(None, options.rstrip(")").split(",")):
-        key, _, value = item.partition("=")
-        block[key.strip()] = yaml.safe_load(value)
+    block: dict = {"name": final, **options}
     if final in BUDGET:
         block["f"] = min(fraction, 0.22) if final == "bulyan" else fraction
     if final == "centered_clipping":
