@@ -42,7 +42,8 @@ def partition(dataset: str, index: int, parts: int, benchmark: int = 0) -> Local
     data = load(dataset)
     order = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))[benchmark:]
     rows = order.tensor_split(parts)[index]
-    return LocalData(data.x_train[rows], data.y_train[rows], data.x_test, data.y_test, data.num_classes)
+    return LocalData(data.x_train[rows], data.y_train[rows], data.x_test, data.y_test, data.num_classes,
+                     data.input_shape)  # fmt: skip
 
 
 def server_data(dataset: str, benchmark: int):
