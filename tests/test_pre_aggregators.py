@@ -199,7 +199,7 @@ def test_nnm_krum_trust_maps_back_to_the_real_clients_and_the_far_one_gets_none(
     out = agg(Round(updates=column(0.0, 1.0, 2.0, 3.0, 100.0), client_ids=list("abcde")))
     torch.testing.assert_close(out.vector, torch.tensor([1.5], dtype=F64))
     torch.testing.assert_close(out.weights, torch.tensor([0.25, 0.25, 0.25, 0.25, 0.0], dtype=F64))
-    assert out.info["f"] == 1 and out.info["selected"] == ["mix0"]  # ids of mixed rows
+    assert out.info["f"] == 1 and out.info["selected"] == ["a"]  # NNM keeps rows: row i is client i's
     assert out.info["clients"]["score"].shape == (5,)  # NNM keeps rows: row i is client i's mixture
 
 
@@ -357,3 +357,20 @@ def test_the_flower_strategy_builds_a_composed_rule_by_name():
 
     assert TrustStrategy(rule="nnm+median").rule.name == "nnm+median"
     assert TrustStrategy(rule="median", rule_options={"pre": ["arc"]}).rule.name == "arc+median"
+
+
+def test_a_rule_with_per_client_state_keeps_it_by_client_behind_row_keeping_stages_only():
+    # behind NNM row i is client i's mixture: FoolsGold's history is kept under the real ids, so a round
+    # with other clients sampled does not add unrelated histories together
+    gold = rule("nnm+foolsgold")
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0), dtype=F64)
+    gold(Round(updates=x, client_ids=list("abcdef")))
+    gold(Round(updates=x[:5], client_ids=list("bcdeg")))
+    assert sorted(gold.rule.state_dict()["history"]) == list("abcdefg")
+    # after bucketing a row is a random bucket: such a rule, or a fraction of buckets as f, is refused
+    for name in ("foolsgold", "ivar_mle", "cfl"):
+        with pytest.raises(ValueError, match=f"rule '{name}' keeps state per client"):
+            rule(f"bucketing+{name}")
+    with pytest.raises(ValueError, match=r"f=0.2 after bucketing would be a fraction of the buckets"):
+        rule("krum", f=0.2, pre=[{"name": "bucketing", "s": 2}])
+    assert rule("krum", f=2, pre=[{"name": "bucketing", "s": 2}]).rule.f == 2  # a count is what it means

@@ -33,10 +33,11 @@ def test_models_and_state_dicts_give_flat_models_vectors_and_an_aggregate_loads_
     means = torch.stack([flat.unflatten(v)["1.running_mean"] for v in expected])
     torch.testing.assert_close(target[1].running_mean, means.median(0).values)  # the clients' statistics
     assert int(target[1].num_batches_tracked) == counter  # integer buffers are not aggregated
+    # with the global model: the deltas from it, and no ``previous`` (which marks rows that are models:
+    # FLAME would measure the deltas from it a second time)
     deltas = fedtrust.Round.from_models(nets, previous=nets[0])
-    assert torch.equal(deltas.updates[0], torch.zeros(flat.size)) and torch.equal(
-        deltas.previous, expected[0]
-    )
+    assert torch.equal(deltas.updates[0], torch.zeros(flat.size)) and deltas.previous is None
+    torch.testing.assert_close(deltas.updates[1], expected[1] - expected[0])
 
 
 def test_a_model_that_does_not_match_is_refused_naming_it():
@@ -51,3 +52,21 @@ def test_a_model_that_does_not_match_is_refused_naming_it():
         fedtrust.Round.from_models([[1.0, 2.0]])
     with pytest.raises(ValueError, match="must be a non-empty list"):
         fedtrust.Round.from_models([])
+
+
+def test_flame_on_models_given_as_deltas_clips_the_deltas_once():
+    # FLAME's bound S_t is the median distance of the clients' models from the global one: a round of
+    # deltas from Round.from_models(previous=...) must give the same as the deltas passed directly
+    torch.manual_seed(0)
+    glob = torch.nn.Linear(6, 3)
+    nets = [torch.nn.Linear(6, 3) for _ in range(7)]
+    for net in nets:
+        net.load_state_dict({k: v + 0.05 * torch.randn_like(v) for k, v in glob.state_dict().items()})
+    flame = fedtrust.rule("flame", noise=0.0)
+    by_models = flame(fedtrust.Round.from_models(nets, previous=glob))
+    deltas = torch.stack([torch.cat([p.detach().reshape(-1) - q.detach().reshape(-1)
+                                     for p, q in zip(n.parameters(), glob.parameters(), strict=True)])
+                          for n in nets])  # fmt: skip
+    direct = fedtrust.rule("flame", noise=0.0)(fedtrust.Round(updates=deltas))
+    torch.testing.assert_close(by_models.vector, direct.vector)
+    assert by_models.info["clip_bound"] == pytest.approx(float(deltas.norm(dim=1).median()), rel=1e-5)

@@ -84,6 +84,7 @@ class ARFL(BaseRule):
     """
 
     name = "arfl"
+    per_client_state = True
     paper = "Li, Ngai, Ye, Voigt 2021, Auto-weighted Robust Federated Learning with Corrupted Data Sources"
     requires = ("train_loss",)
 

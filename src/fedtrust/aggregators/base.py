@@ -68,12 +68,14 @@ class BaseRule(Component):
     Subclasses implement :meth:`aggregate` and set ``name`` (registry name), ``paper`` (the source, cited
     in ``fedtrust rules``) and ``requires`` (client metrics the rule reads); a rule whose first pass over
     the updates can take their norms may add ``first_pass`` (see the module docstring). Stateless rules
-    inherit an empty ``state_dict``.
+    inherit an empty ``state_dict``; ``per_client_state`` says the state is kept per client id across
+    rounds (a history, a reputation), so its rows must be clients, not mixtures of them.
     """
 
     name: ClassVar[str] = "base"
     paper: ClassVar[str] = ""
     requires: ClassVar[tuple[str, ...]] = ()
+    per_client_state: ClassVar[bool] = False
 
     def __call__(self, round: Round) -> Aggregate:
         return call_rule(self, round)

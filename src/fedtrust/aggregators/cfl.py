@@ -80,6 +80,7 @@ class CFL(BaseRule):
     """
 
     name = "cfl"
+    per_client_state = True
     paper = "Sattler, Mueller, Samek 2020, Clustered Federated Learning (and its ICASSP 2020 Byzantine study)"
 
     def __init__(

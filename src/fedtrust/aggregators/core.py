@@ -114,7 +114,9 @@ class Round:
     reference:    optional :class:`~fedtrust.aggregators.info.Reference`: the server's trusted benchmark
                   split, ``reference(update) -> mean loss`` of the model one update gives (FOCUS's eq 4,
                   the "benchmark" loss defence).
-    previous:     optional (d,) previous global vector.
+    previous:     optional (d,) previous global vector, when ``updates`` are the clients' models
+                  (parameters): rules that read models (FLAME, CFL) measure from it. Leave it None when
+                  ``updates`` are deltas (as the simulator and the Flower strategy send).
     quarantined:  client id -> reason, for clients of this round already removed as malformed (the front
                   door, :mod:`~fedtrust.aggregators.screening`, fills it in). They are known-faulty:
                   rules with a Byzantine budget ``f`` count them against it.
@@ -199,7 +201,8 @@ class Round:
         :class:`fedtrust.models.FlatModel`, so ``FlatModel(module, task).state_dict(vector)`` loads an
         aggregate back (integer buffers such as ``num_batches_tracked`` are not aggregated and keep the
         module's value). With ``previous`` (the global model, a module or state dict) the updates are
-        the differences from it, and ``previous`` is its vector; ``fields`` are the other Round fields
+        the differences from it (deltas, so the round has no ``previous``: every rule reads deltas, and
+        the aggregate is a step to add to the global model); ``fields`` are the other Round fields
         (``client_ids``, ``num_samples``, ...). Models whose entries differ from the first's in name or
         shape are refused naming the model and the entry."""
         if isinstance(models, Mapping) or not isinstance(models, Sequence) or not models:
@@ -210,7 +213,7 @@ class Round:
         updates = torch.stack(vectors)
         if previous is not None:
             start = _flat_entries(previous, layout, "previous")
-            return cls(updates=updates - start, previous=start, **fields)
+            return cls(updates=updates - start, **fields)
         return cls(updates=updates, **fields)
 
     @staticmethod

@@ -66,6 +66,7 @@ class FOCUS(BaseRule):
     """
 
     name = "focus"
+    per_client_state = True
     paper = "Chen et al. 2020, FOCUS: Dealing with Label Quality Disparity in Federated Learning"
     requires = ("train_loss",)
 

@@ -112,6 +112,7 @@ class FoolsGold(BaseRule):
     """
 
     name = "foolsgold"
+    per_client_state = True
     paper = "Fung, Yoon, Beschastnikh 2020, The Limitations of Federated Learning in Sybil Settings (RAID)"
 
     def __init__(self, kappa: float = 1.0):

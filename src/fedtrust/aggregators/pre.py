@@ -203,12 +203,18 @@ class PreAggregated(BaseRule):
 
     The inner rule sees a round of the m mixed vectors, called through its front door:
 
-    - client ids ``"mix0"``, ``"mix1"``, ... (row i of the mixed vectors);
+    - client ids: the round's own when every stage keeps rows (NNM, clipping, ARC: row i is client i's
+      vector, mixed or scaled, so a rule that keeps state per client keeps it for the right one);
+      ``"mix0"``, ``"mix1"``, ... (row i of the mixed vectors) after bucketing, where a row is a bucket;
     - ``num_samples``: each mixed row's average of its clients' counts, weighted as the row mixes them
       (M with its rows scaled to sum 1, times the counts): a mean of two clients reports their mean
       count, a clipped client its own count (the clipping is in the vector already);
     - no ``metrics``: a reported loss belongs to one client's update, not to a mixture, so a rule that
-      reads metrics (ARFL, FOCUS) cannot follow pre-aggregators and is refused at construction;
+      reads metrics (ARFL, FOCUS) cannot follow pre-aggregators and is refused at construction, as is
+      one that keeps state per client (FoolsGold, IVAR/ICOV, CFL) after bucketing (each round's
+      buckets mix other clients: a history would add up unrelated clients), and a fractional ``f`` after
+      bucketing (a fraction of the buckets is not the corrupted clients' share: give the count of
+      corrupted clients, the most buckets they can spoil);
     - ``reference``, ``previous`` and ``quarantined`` as in the round (quarantined clients still count
       against the inner rule's f).
 
@@ -246,6 +252,18 @@ class PreAggregated(BaseRule):
                 f"{self.name}: rule {inner!r} reads the clients' metrics {list(requires)}, which mixed "
                 "rows do not have; use it without pre-aggregators"
             )
+        if not all(p.keeps_rows for p in pre):
+            if getattr(rule, "per_client_state", False):
+                raise ValueError(
+                    f"{self.name}: rule {inner!r} keeps state per client across rounds, but after "
+                    "bucketing its rows are random buckets of clients; use it without bucketing"
+                )
+            f = getattr(rule, "f", None)
+            if isinstance(f, float) and f > 0:
+                raise ValueError(
+                    f"{self.name}: f={f!r} after bucketing would be a fraction of the buckets; give f as the "
+                    "number of corrupted clients (each spoils at most one bucket)"
+                )
         self._pre = list(pre)
         self._rule = rule
 
@@ -265,6 +283,7 @@ class PreAggregated(BaseRule):
     def aggregate(self, round: Round) -> Aggregate:
         x = round.updates
         quarantined = len(round.quarantined)
+        keeps = all(p.keeps_rows for p in self._pre)
         mixed, mixing = x, None
         for stage in self._pre:
             try:
@@ -277,7 +296,7 @@ class PreAggregated(BaseRule):
         counts = share @ round.num_samples.to(device=share.device, dtype=torch.float64)
         inner_round = Round(
             updates=mixed,
-            client_ids=[f"mix{i}" for i in range(mixed.shape[0])],
+            client_ids=round.client_ids if keeps else [f"mix{i}" for i in range(mixed.shape[0])],
             num_samples=counts.to(x.dtype),
             reference=round.reference,
             previous=round.previous,
@@ -292,7 +311,7 @@ class PreAggregated(BaseRule):
             coef = (mixing.sum(0) > 0).to(torch.float64)
         weights = (coef / coef.sum()).to(device=x.device, dtype=x.dtype)
         info = {k: v for k, v in out.info.items() if k not in ("clients", "quarantined")}
-        if "clients" in out.info and all(p.keeps_rows for p in self._pre):
+        if "clients" in out.info and keeps:
             info["clients"] = out.info["clients"]
         info["pre"] = [p.name for p in self._pre]
         return Aggregate(out.vector, weights, info)

@@ -129,6 +129,8 @@ class _WindowRule(BaseRule):
     round's statistics keyed by client id; "clients", client id -> its persistent estimates; "shared",
     the global estimates (hyper-parameters)."""
 
+    per_client_state = True
+
     #: The entries of one history round, one client's estimates, and the shared estimates.
     def _history_spec(self) -> Spec:
         raise NotImplementedError
