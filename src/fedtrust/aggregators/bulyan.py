@@ -37,7 +37,8 @@ class Bulyan(BaseRule):
     beta = theta - 2f selected values closest to their median (El Mhamdi et al. 2018, Algorithm 1;
     M[i] = argmin_{|R| = beta} sum_{X in R} |X[i] - med[i]|). Needs n >= 4f + 3.
 
-    f: assumed number of Byzantine clients (int) or fraction of the round's clients (float).
+    f: assumed number of Byzantine clients (int) or fraction of the round's clients (float). The default
+       0 tolerates none: theta = beta = n, so Bulyan is then the plain mean; set f for a defence.
     Trust weight of a client: its share of the (coordinate, beta) slots of the final average, shared
     evenly within each group of copies (identical updates get identical trust, whatever their order).
     """
