@@ -155,8 +155,7 @@ def test_a_partial_knowledge_optimal_attack_never_reads_the_benign_updates(name)
     torch.testing.assert_close(sent(benign, "partial"), sent(benign * 3 - 7, "partial"))
     assert not torch.allclose(sent(benign, "omniscient"), sent(benign * 3 - 7, "omniscient"))
     ctx = context(benign, bad=5, aggregate=lambda u: server(Round(u)).vector)
-    ctx.deviation(torch.zeros(5, 20), "partial")
-    stand_ins = ctx.stand_ins(torch.zeros(5, 20))
+    stand_ins = ctx.with_sent(torch.zeros(5, 20), "partial")
     assert torch.equal(stand_ins[5:].isfinite(), torch.ones(12, 20, dtype=torch.bool))
     assert not torch.isin(benign, stand_ins).any()  # no benign value leaks into the attacker's picture
 

@@ -252,7 +252,8 @@ class PreAggregated(BaseRule):
                 f"{self.name}: rule {inner!r} reads the clients' metrics {list(requires)}, which mixed "
                 "rows do not have; use it without pre-aggregators"
             )
-        if not all(p.keeps_rows for p in pre):
+        self._keeps = all(p.keeps_rows for p in pre)  # row i of the mixed vectors is client i's
+        if not self._keeps:
             if getattr(rule, "per_client_state", False):
                 raise ValueError(
                     f"{self.name}: rule {inner!r} keeps state per client across rounds, but after "
@@ -283,7 +284,6 @@ class PreAggregated(BaseRule):
     def aggregate(self, round: Round) -> Aggregate:
         x = round.updates
         quarantined = len(round.quarantined)
-        keeps = all(p.keeps_rows for p in self._pre)
         mixed, mixing = x, None
         for stage in self._pre:
             try:
@@ -296,7 +296,7 @@ class PreAggregated(BaseRule):
         counts = share @ round.num_samples.to(device=share.device, dtype=torch.float64)
         inner_round = Round(
             updates=mixed,
-            client_ids=round.client_ids if keeps else [f"mix{i}" for i in range(mixed.shape[0])],
+            client_ids=round.client_ids if self._keeps else [f"mix{i}" for i in range(mixed.shape[0])],
             num_samples=counts.to(x.dtype),
             reference=round.reference,
             previous=round.previous,
@@ -311,7 +311,7 @@ class PreAggregated(BaseRule):
             coef = (mixing.sum(0) > 0).to(torch.float64)
         weights = (coef / coef.sum()).to(device=x.device, dtype=x.dtype)
         info = {k: v for k, v in out.info.items() if k not in ("clients", "quarantined")}
-        if "clients" in out.info and keeps:
+        if "clients" in out.info and self._keeps:
             info["clients"] = out.info["clients"]
         info["pre"] = [p.name for p in self._pre]
         return Aggregate(out.vector, weights, info)

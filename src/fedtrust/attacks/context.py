@@ -111,13 +111,22 @@ class AttackContext:
             var *= k / (k - 1)
         return mean, var.sqrt_()
 
-    def with_sent(self, sent: torch.Tensor) -> torch.Tensor:
-        """The (n, d) matrix the server receives when the corrupted clients send ``sent``: one buffer,
-        written afresh on each call (an attack's queries of the rule do not allocate a matrix each)."""
-        buffer = self.__dict__.get("_buffer")
+    def with_sent(self, sent: torch.Tensor, knowledge: str = "omniscient") -> torch.Tensor:
+        """The (n, d) matrix the server receives when the corrupted clients send ``sent``, as an attacker
+        with this ``knowledge`` pictures it: the benign rows are the true updates when omniscient, and
+        with ``partial`` knowledge stand-ins drawn from N(mean, std^2) of its own clients' honest updates,
+        coordinate by coordinate (the estimate Fang et al. 2020, Section 3, give such an attacker),
+        drawn once a round. One buffer per knowledge, written afresh on each call (an attack's queries of
+        the rule do not allocate a matrix each)."""
+        buffers = self.__dict__.setdefault("_buffers", {})
+        buffer = buffers.get(knowledge)
         if buffer is None:
             buffer = self.updates.clone()
-            object.__setattr__(self, "_buffer", buffer)
+            if knowledge == "partial":
+                mean, std = self.mean_std("partial")
+                good = ~self.bad
+                buffer[good] = mean + std * self.draw((int(good.sum()), buffer.shape[1]))
+            buffers[knowledge] = buffer
         buffer[self.bad] = sent.to(buffer.dtype)
         return buffer
 
@@ -126,7 +135,7 @@ class AttackContext:
         ``sent``: the harm an attack that knows the rule maximises (0 when the rule refuses the round or
         its aggregate is not finite: the server would keep its model). An attacker with ``partial``
         knowledge has not seen the benign updates: it scores ``sent`` on a round whose benign rows are its
-        own stand-ins (:meth:`stand_ins`), against the mean of the updates it knows."""
+        own stand-ins (:meth:`with_sent`), against the mean of the updates it knows."""
         from fedtrust.aggregators.core import RoundRefused
 
         if self.aggregate is None:
@@ -135,7 +144,7 @@ class AttackContext:
                 "oracle: run it in the simulator (or pass AttackContext(aggregate=...))"
             )
         try:
-            out = self.aggregate(self.with_sent(sent) if knowledge == "omniscient" else self.stand_ins(sent))
+            out = self.aggregate(self.with_sent(sent, knowledge))
         except RoundRefused:
             return 0.0
         if not bool(torch.isfinite(out).all()):
@@ -144,21 +153,6 @@ class AttackContext:
         if knowledge not in targets:
             targets[knowledge] = self.mean(knowledge).to(torch.float64)
         return float((out.to(torch.float64) - targets[knowledge]).norm())
-
-    def stand_ins(self, sent: torch.Tensor) -> torch.Tensor:
-        """The round as a ``partial``-knowledge attacker pictures it when its clients send ``sent``: every
-        benign row replaced by a draw from N(mean, std^2) of its own clients' honest updates, coordinate
-        by coordinate (the estimate Fang et al. 2020, Section 3, give such an attacker), drawn once a
-        round; the corrupted rows hold ``sent``."""
-        buffer = self.__dict__.get("_stand_ins")
-        if buffer is None:
-            mean, std = self.mean_std("partial")
-            buffer = self.updates.clone()
-            good = ~self.bad
-            buffer[good] = mean + std * self.draw((int(good.sum()), buffer.shape[1]))
-            object.__setattr__(self, "_stand_ins", buffer)
-        buffer[self.bad] = sent.to(buffer.dtype)
-        return buffer
 
 
 class Knowing:

@@ -13,7 +13,7 @@ import torch
 
 from fedtrust._checks import check_float, check_int
 from fedtrust.data.backdoor import Backdoor, DistributedBackdoor
-from fedtrust.registry import build
+from fedtrust.registry import build, lookup, options_of
 
 
 def _need_classes(name: str, num_classes: int | None) -> int:
@@ -93,8 +93,18 @@ DATA_CORRUPTIONS = {
 }
 
 
-def data_corruption(name: str, **options):
-    return build("corruption", DATA_CORRUPTIONS, name, options)
+def data_corruption(name: str, input_shape: tuple[int, ...] | None = None, **options):
+    """The data corruption ``name`` with ``options``; ``input_shape`` (the data's, supplied by the caller)
+    goes to the corruptions that stamp images (the backdoors), which refuse to be built without it."""
+    builder = lookup("corruption", DATA_CORRUPTIONS, name)
+    supplied = {}
+    if "input_shape" in options_of(builder):
+        if input_shape is None:
+            raise ValueError(
+                f"corruption {name!r} stamps a trigger on images: it needs their input_shape (C, H, W)"
+            )
+        supplied["input_shape"] = input_shape
+    return build("corruption", DATA_CORRUPTIONS, name, options, **supplied)
 
 
 def _takes_client(corruption) -> bool:

@@ -11,11 +11,11 @@ from flwr.clientapp import ClientApp
 
 from fedtrust._checks import check_float
 from fedtrust.attacks import AttackContext, attack
-from fedtrust.data.corruptions import DATA_CORRUPTIONS, corrupt, data_corruption
+from fedtrust.data.corruptions import corrupt, data_corruption
 from fedtrust.flower.arrays import ArrayLayout
 from fedtrust.flower.replies import NAME_LIMIT, NODE_RECORD
 from fedtrust.models import FlatModel
-from fedtrust.registry import lookup, options_of, parse_spec
+from fedtrust.registry import parse_spec
 from fedtrust.sim.training import local_sgd, mean_loss
 
 
@@ -177,16 +177,7 @@ def _corruption(spec: str, data: LocalData):
     name, options = parse_spec(spec)
     samples = check_float(f"{CORRUPTION} {spec!r}: samples", options.pop("samples", 1.0), minimum=0.0,
                           maximum=1.0)  # fmt: skip
-    builder = lookup("corruption", DATA_CORRUPTIONS, name)
-    supplied = {}
-    if "input_shape" in options_of(builder):
-        if data.input_shape is None:
-            raise ValueError(
-                f"{CORRUPTION} {spec!r} stamps a trigger on images: give the node's LocalData its "
-                "input_shape (C, H, W), e.g. LocalData(..., input_shape=(1, 28, 28))"
-            )
-        supplied["input_shape"] = data.input_shape
-    return data_corruption(name, **supplied, **options), samples
+    return data_corruption(name, data.input_shape, **options), samples
 
 
 def _rank(context: Context) -> int | None:
@@ -208,10 +199,9 @@ def _attacked(context: Context, start: torch.Tensor, new: torch.Tensor, g: torch
     name, options = parse_spec(spec)
     adversary = attack(name, **options)
     if getattr(adversary, "colluding", False):
-        hint = " (give it boost=, e.g. 'model_replacement(boost=10)')" if name == "model_replacement" else ""
         raise ValueError(
-            f"{ATTACK} {spec!r} needs the other clients' updates or their number; a single node cannot "
-            f"run it{hint}"
+            f"{ATTACK} {spec!r} needs the other clients' updates or their number; a single node cannot run "
+            "it (unless an option supplies what it would read, e.g. 'model_replacement(boost=10)')"
         )
     ctx = AttackContext((new - start)[None], torch.tensor([True]), start, "params", g)
     return start + adversary(ctx)[0]

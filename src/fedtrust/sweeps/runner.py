@@ -19,11 +19,11 @@ import fedtrust
 from fedtrust.attacks import ATTACKS
 from fedtrust.checkpoint import CorruptFileError
 from fedtrust.data import DATASETS
-from fedtrust.data.corruptions import DATA_CORRUPTIONS
+from fedtrust.data.corruptions import DATA_CORRUPTIONS, data_corruption
 from fedtrust.data.partition import PARTITIONERS
 from fedtrust.models import build_model
 from fedtrust.progress import Progress
-from fedtrust.registry import build, options_of
+from fedtrust.registry import build
 from fedtrust.rules import rule as build_rule
 from fedtrust.sim.evaluation import default_evaluation
 from fedtrust.sim.federation import build_federation
@@ -80,11 +80,9 @@ def build_simulation(
     dataset = datasets.get(cfg.data.name, cfg.data.options)
     partition = build("partition", PARTITIONERS, cfg.data.partition.name, cfg.data.partition.options)
     c = cfg.corruption
-    data_corruption = attack = None
+    corruption = attack = None
     if c.name in DATA_CORRUPTIONS:
-        builder = DATA_CORRUPTIONS[c.name]
-        supplied = {"input_shape": dataset.input_shape} if "input_shape" in options_of(builder) else {}
-        data_corruption = build("corruption", DATA_CORRUPTIONS, c.name, c.options, **supplied)
+        corruption = data_corruption(c.name, dataset.input_shape, **c.options)
         if c.attack is not None:
             attack = build("attack", ATTACKS, c.attack.name, c.attack.options)
     elif c.name in ATTACKS:
@@ -94,7 +92,7 @@ def build_simulation(
         cfg.data.clients,
         partition,
         cfg.seed,
-        corruption=data_corruption,
+        corruption=corruption,
         corrupted_fraction=c.fraction,
         corrupted_samples=c.samples,
         benchmark=cfg.data.benchmark,
@@ -103,7 +101,7 @@ def build_simulation(
     model = build_model(cfg.model.name, dataset, **cfg.model.options)
     rule = build_rule(cfg.rule.name, **cfg.rule.options)
     lie = Lie(c.lie.metric, c.lie.value) if c.lie is not None else None
-    evaluation = default_evaluation(model, federation, cfg.train, cfg.seed, data_corruption)
+    evaluation = default_evaluation(model, federation, cfg.train, cfg.seed, corruption)
     return Simulation(
         federation,
         model,
