@@ -22,8 +22,9 @@ source (the papers' setting).
 
 ``weighting="precision"`` (the default, the papers') weights each client by its coefficient in the
 consensus; ``weighting="screen"`` uses the same fit as a screen instead (:mod:`fedtrust.inference.screen`):
-a minority of clients whose noise stands apart is dropped and every other group gets one equal vote, which
-keeps the estimator's detection without its price on honest clients with unusual data.
+a minority of clients whose updates stand apart from the fitted consensus is dropped and every other group
+gets one equal vote, which keeps the estimator's detection without its price on honest clients with
+unusual data.
 
 Degenerate rounds never fail: when every update is (near-)identical there is nothing to weigh, and the
 rule returns that update with equal weights and the reason in ``info["degenerate"]``, its state
@@ -68,7 +69,7 @@ from fedtrust.aggregators.sybils import Groups, all_identical, near_duplicates
 from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, latent_init
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
 from fedtrust.inference.result import ConvergenceWarning
-from fedtrust.inference.screen import noise_screen
+from fedtrust.inference.screen import observed_spread, spread_screen
 from fedtrust.inference.tasks import Tasks
 
 PAPER = "Nguyen, Lim, Wynter, Cai 2021, Probabilistic Inference for Learning from Untrusted Sources"
@@ -83,7 +84,7 @@ def _task(round: Round, norms: torch.Tensor | None) -> Tasks:
 #: How a group of near-duplicate updates is treated: "share" one vote among them, or "off" (each its own).
 SYBILS = ("share", "off")
 #: What the estimates become: the papers' "precision" weights (each client's consensus coefficient), or
-#: a "screen" (:mod:`fedtrust.inference.screen`: a minority of outlying noise dropped, equal votes).
+#: a "screen" (:mod:`fedtrust.inference.screen`: a minority far from the consensus dropped, equal votes).
 WEIGHTINGS = ("precision", "screen")
 
 
@@ -185,15 +186,15 @@ class _WindowRule(BaseRule):
         out = self._estimate(
             round, groups, fit_round, _task(fit_round, first.norms if groups.trivial else None)
         )
-        return out if self.weighting == "precision" else self._screened(round, groups, out)
+        return out if self.weighting == "precision" else self._screened(round, groups, out, fit_round)
 
     @staticmethod
-    def _screened(round: Round, groups: Groups, out: Aggregate) -> Aggregate:
-        """``weighting="screen"``: the groups the noise screen keeps (:func:`noise_screen` on each group's
-        noise) get one vote each, split among their members; the aggregate is the weighted mean of the
-        updates. ``info["screen"]`` names the dropped clients; the estimator's own weights stay in
-        ``info["clients"]["coefficient"]``."""
-        keep, found = noise_screen(out.info["clients"]["noise"][groups.first], groups.sizes)  # on the host
+    def _screened(round: Round, groups: Groups, out: Aggregate, fit_round: Round) -> Aggregate:
+        """``weighting="screen"``: the groups the screen keeps (:func:`spread_screen` on each group's
+        observed spread about the fitted consensus, :func:`observed_spread`) get one vote each, split
+        among their members; the aggregate is the weighted mean of the updates. ``info["screen"]`` names
+        the dropped clients; the estimator's own weights stay in ``info["clients"]["coefficient"]``."""
+        keep, found = spread_screen(observed_spread(fit_round.updates, out.vector), groups.sizes)
         x = round.updates
         weights = groups.split(keep.to(torch.float64) / keep.sum()).to(device=x.device, dtype=x.dtype)
         dropped = [
