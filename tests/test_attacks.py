@@ -91,3 +91,22 @@ def test_bad_attack_options_are_clear():
         attack("gaussian", of="x")
     with pytest.raises(ValueError, match=r"unknown attack 'alei'. Did you mean 'alie'\?"):
         attack("alei")
+
+
+@pytest.mark.parametrize(
+    "name, options",
+    [("alie", {"z": 1.5}), ("ipm", {}), ("min_max", {}), ("min_sum", {}), ("fang_trimmed_mean", {})],
+)
+def test_a_benign_update_that_diverged_is_left_out_of_what_the_attacker_computes(name, options):
+    """One honest NaN row (a client whose training diverged) must not make the attack's statistics NaN:
+    its vectors would be quarantined, and the robustness table would credit the defence with an attack
+    that never ran. The attack sends what it sends on the round without that client."""
+    ctx = context(n=10, bad=3, d=6)
+    without = AttackContext(
+        torch.cat([ctx.updates[:3], ctx.updates[4:]]), torch.cat([ctx.bad[:3], ctx.bad[4:]]),
+        ctx.global_vector, ctx.mode, torch.Generator().manual_seed(1),
+    )  # fmt: skip
+    ctx.updates[3, 2] = math.nan  # the first benign client (the first three are the attackers)
+    sent = attack(name, **options)(ctx)
+    assert torch.isfinite(sent).all()
+    torch.testing.assert_close(sent, attack(name, **options)(without))

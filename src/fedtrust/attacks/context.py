@@ -24,7 +24,7 @@ import torch
 
 from fedtrust._checks import check_choice
 from fedtrust.aggregators.chunks import column_blocks
-from fedtrust.aggregators.passes import weighted_sum
+from fedtrust.aggregators.passes import row_norms, weighted_sum
 
 __all__ = ["KNOWLEDGE", "AttackContext", "Knowing", "sent_by"]
 
@@ -76,32 +76,52 @@ class AttackContext:
 
     def rows(self, knowledge: str) -> torch.Tensor:
         """Positions of the honest updates an attacker with this ``knowledge`` sees: the benign clients'
-        (or, in a round without any, every client's) when omniscient; its own clients' when partial."""
+        (or, in a round without any, every client's) when omniscient; its own clients' when partial.
+        Updates that are not finite (local training that diverged, a broken device) tell the attacker
+        nothing and are left out, unless every candidate is one: one NaN row would make every statistic
+        NaN, the attack's vectors would be quarantined, and the table would credit the defence with an
+        attack that never ran."""
         mask = self.bad if knowledge == "partial" else ~self.bad
         if knowledge != "partial" and not bool(mask.any()):
             mask = torch.ones_like(self.bad)
-        return torch.nonzero(mask).squeeze(1)
+        finite = mask & self._finite()
+        return torch.nonzero(finite if bool(finite.any()) else mask).squeeze(1)
+
+    def _finite(self) -> torch.Tensor:
+        """(n,) bool, on ``bad``'s device: the rows whose norm is finite (one read, once a round; an
+        overflowing norm counts as not finite)."""
+        if "_finite_rows" not in self.__dict__:
+            self.__dict__["_finite_rows"] = torch.isfinite(row_norms(self.updates)).to(self.bad.device)
+        return self.__dict__["_finite_rows"]
 
     def known(self, knowledge: str) -> torch.Tensor:
         """The honest updates an attacker with this ``knowledge`` sees (a copy of those rows)."""
         return self.updates.index_select(0, self.rows(knowledge))
 
-    def _weights(self, knowledge: str) -> tuple[torch.Tensor, int]:
+    def _weighted(self, knowledge: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(x, w, k): the known updates' mean is w @ x, over k of them. Where every row is finite x is the
+        round's matrix and w zero outside the known rows (no copy); else x is a copy of the known rows
+        (a zero weight on a NaN row would still give NaN)."""
         rows = self.rows(knowledge)
-        w = torch.zeros(len(self.updates), dtype=self.updates.dtype, device=self.updates.device)
-        w[rows] = 1.0 / len(rows)
-        return w, len(rows)
+        k = len(rows)
+        if bool(self._finite().all()):
+            w = torch.zeros(len(self.updates), dtype=self.updates.dtype, device=self.updates.device)
+            w[rows] = 1.0 / k
+            return self.updates, w, k
+        x = self.updates.index_select(0, rows)
+        return x, torch.full((k,), 1.0 / k, dtype=x.dtype, device=x.device), k
 
     def mean(self, knowledge: str) -> torch.Tensor:
         """The coordinate-wise mean of the known updates: one matrix-vector product."""
-        return weighted_sum(self.updates, self._weights(knowledge)[0])
+        x, w, _ = self._weighted(knowledge)
+        return weighted_sum(x, w)
 
     def mean_std(self, knowledge: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The coordinate-wise mean and (unbiased) standard deviation of the known updates, in one read
         of the matrix: a weighted matrix-vector product, then the centred squares column block by column
         block (torch's own std over the client axis is several times slower on wide matrices). The
         standard deviation of a single update is 0."""
-        x, (w, k) = self.updates, self._weights(knowledge)
+        x, w, k = self._weighted(knowledge)
         mean = weighted_sum(x, w)
         var = torch.zeros_like(mean)
         if k > 1:

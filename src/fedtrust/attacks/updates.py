@@ -17,7 +17,6 @@ import torch
 
 from fedtrust._checks import check_bool, check_choice, check_float, check_int
 from fedtrust.aggregators.distances import gram
-from fedtrust.aggregators.passes import row_norms
 from fedtrust.attacks.context import AttackContext, Knowing
 
 
@@ -177,10 +176,7 @@ class Mimic:
         return int(vectors[:, -1].abs().argmax())  # the top eigenvector's entries are the scores / sqrt(l)
 
     def __call__(self, ctx: AttackContext) -> torch.Tensor:
-        rows = ctx.rows("omniscient")
-        finite = torch.isfinite(row_norms(ctx.updates)[rows])  # one read; an overflowing norm counts too
-        if bool(finite.any()):  # an honest client whose training diverged (NaN) is no one to copy
-            rows = rows[finite]
+        rows = ctx.rows("omniscient")  # finite ones: a client whose training diverged is no one to copy
         if self.target == "variance":
             pick = self.choose(ctx.updates.index_select(0, rows))
         else:
