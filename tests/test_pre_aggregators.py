@@ -180,6 +180,22 @@ def test_the_two_spellings_build_the_same_rule():
     assert [p.options() for p in c.pre] == [{"f": None}, {"s": 3, "seed": 0}]
 
 
+def test_a_budget_the_rule_cannot_take_goes_to_the_pre_aggregators_alone():
+    """``rule("arc+mean", f=0.2)``: the mean has no f, ARC clips for the budget; a rule without f and no
+    stage that takes one still names the option it refused."""
+    composed = rule("arc+mean", f=0.2)
+    assert composed.name == "arc+mean" and [p.options() for p in composed.pre] == [{"f": 0.2}]
+    r = Round(
+        updates=torch.randn(10, 4, generator=torch.Generator().manual_seed(0))
+        * torch.arange(1.0, 11)[:, None]
+    )
+    spelt_out = rule("mean", pre=[{"name": "arc", "f": 0.2}])(r)
+    torch.testing.assert_close(composed(r).vector, spelt_out.vector, rtol=0, atol=0)
+    assert not torch.allclose(spelt_out.vector, rule("mean")(r).vector)  # ARC clipped the two largest
+    with pytest.raises(UnknownNameError, match="rule 'mean' has no option 'f'"):
+        rule("clipping+mean", f=0.2)
+
+
 def test_nnm_median_gives_the_far_client_no_trust_by_hand():
     # NNM (f = 1) of 0, 1, 3, 10 is 4/3, 4/3, 4/3, 14/3; their median is 4/3, the middle two ranks shared
     # by the three tied rows (1/3 each), and each of those rows mixes clients 0, 1, 2 by 1/3:

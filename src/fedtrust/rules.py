@@ -13,7 +13,8 @@ Pre-aggregators (``PRE_AGGREGATORS``: NNM, bucketing, static clipping, ARC;
 right, each with its default options, or listed in the rule's ``pre`` option as names or
 ``{"name": ..., options}`` dicts. The other options are the rule's; a pre-aggregator whose ``f`` is left
 at None (NNM's, ARC's) takes the rule's ``f`` when one is given (``rule("nnm+krum", f=2)``: NNM mixes
-n - 2 neighbours), else floor((n - 1) / 2).
+n - 2 neighbours), else floor((n - 1) / 2). Where the rule has no ``f`` and a pre-aggregator does, ``f``
+is the pre-aggregators' alone (``rule("arc+mean", f=0.2)``: ARC clips for a fifth of the clients).
 
 A rule written outside fedtrust is added with :func:`register` and is then usable by name everywhere:
 configs, ``fedtrust run``, FedAG's ``base`` and the Flower strategy (``examples/custom_rule.py``).
@@ -130,11 +131,22 @@ def rule(name: str, **options: Any) -> BaseRule:
                 f"rule {name!r}: give the pre-aggregators in the name or in pre=, not both (pre={pre!r})"
             )
         *pre, name = name.split("+")
-    final = build("rule", RULES, name, options)
     if pre is None:
-        return final
-    stages = [_pre_aggregator(spec, options) for spec in _pre_specs(pre)]
+        return build("rule", RULES, name, options)
+    specs = _pre_specs(pre)
+    rule_takes_f = "f" in options_of(lookup("rule", RULES, name))
+    if "f" in options and not rule_takes_f and any(_takes_f(n) for n, _ in specs):
+        # the federation's Byzantine budget, for the stages that use it ("arc+mean", f=0.2)
+        budget = {"f": options.pop("f")}
+    else:
+        budget = options
+    final = build("rule", RULES, name, options)
+    stages = [_pre_aggregator(spec, budget) for spec in specs]
     return PreAggregated(stages, final) if stages else final
+
+
+def _takes_f(name: str) -> bool:
+    return "f" in options_of(lookup("pre-aggregator", PRE_AGGREGATORS, name))
 
 
 def _pre_specs(pre: Any) -> list[tuple[str, dict[str, Any]]]:
@@ -157,8 +169,7 @@ def _pre_specs(pre: Any) -> list[tuple[str, dict[str, Any]]]:
 
 def _pre_aggregator(spec: tuple[str, dict[str, Any]], rule_options: dict[str, Any]) -> PreAggregator:
     name, options = spec
-    builder = lookup("pre-aggregator", PRE_AGGREGATORS, name)
-    if options.get("f") is None and "f" in options_of(builder) and "f" in rule_options:
+    if options.get("f") is None and _takes_f(name) and "f" in rule_options:
         options = {**options, "f": rule_options["f"]}  # the rule's Byzantine budget, when given
     return build("pre-aggregator", PRE_AGGREGATORS, name, options)
 
