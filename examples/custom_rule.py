@@ -98,7 +98,9 @@ def on_flower(rounds: int) -> dict:
 
     @server.main()
     def run(grid: Grid, context: Context) -> None:
-        strategy = TrustStrategy(rule="norm_capped", rule_options={"cap": 2.0}, fraction_evaluate=0.0)
+        strategy = TrustStrategy(  # every round waits for all four nodes (a slow start would miss one)
+            rule="norm_capped", rule_options={"cap": 2.0}, fraction_evaluate=0.0, min_available_nodes=4
+        )
         out = strategy.start(
             grid=grid, initial_arrays=ArrayRecord(model_fn().state_dict()), num_rounds=rounds
         )
