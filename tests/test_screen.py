@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fedtrust import Round, rule
-from fedtrust.inference.screen import observed_spread, spread_screen
+from fedtrust.inference.screen import drop_followers, observed_spread, spread_screen
 
 TRUST = ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"]
 
@@ -122,3 +122,53 @@ def test_the_screen_reads_the_updates_not_the_models_variance():
     out = _WindowRule._screened(r, Groups.singletons(r.n), fit, r)
     assert out.info["screen"]["dropped"] == [f"c{i}" for i in range(12, 17)]
     torch.testing.assert_close(out.vector, r.updates[:12].mean(0))
+
+
+def colluders_round(seed=0, d=300):
+    """30 honest updates (a common direction plus noise of client-specific scale, 0.7 to 1.3), 19
+    colluders far along one direction (large spread), and one colluder pushed only a little along it: its
+    spread is within the honest clients', its position along the colluders' direction is not."""
+    g = torch.Generator().manual_seed(seed)
+    truth = torch.randn(d, generator=g)
+    push = torch.randn(d, generator=g)
+    push /= push.norm()
+    honest = truth + torch.linspace(0.7, 1.3, 30)[:, None] * torch.randn(30, d, generator=g)
+    loud = truth + torch.randn(19, d, generator=g) + 60.0 * push
+    quiet = (
+        truth + torch.randn(1, d, generator=g) + 8.0 * push
+    )  # ||8 push||^2 = 64 ~ 0.2 d: in the honest spread
+    x = torch.cat([honest, loud, quiet])
+    return Round(updates=x, client_ids=[f"c{i}" for i in range(50)])
+
+
+def test_a_kept_client_far_along_the_dropped_groups_direction_is_dropped_too():
+    r = colluders_round()
+    sizes = torch.ones(50)
+    keep = torch.ones(50, dtype=torch.bool)
+    keep[30:49] = False  # what the spread screen drops: the 19 loud colluders
+    spread = observed_spread(r.updates, r.updates[keep].mean(0))
+    assert spread[49] < spread[:30].max()  # the quiet one hides in the honest spread
+    after, followers = drop_followers(r.updates, keep, sizes)
+    assert followers == 1 and not after[49] and after[:30].all() and not after[30:49].any()
+
+
+def test_the_second_look_changes_nothing_without_a_dropped_group_or_past_the_honest_majority():
+    r = colluders_round()
+    everyone = torch.ones(50, dtype=torch.bool)
+    assert drop_followers(r.updates, everyone, torch.ones(50)) == (everyone, 0)
+    keep = torch.ones(50, dtype=torch.bool)
+    keep[30:49] = False
+    # counted by members: were the quiet colluder a group of 11 copies, dropping it would drop half the
+    # round's clients (19 + 11 of 60)
+    sizes = torch.ones(50)
+    sizes[49] = 11.0
+    after, followers = drop_followers(r.updates, keep, sizes)
+    assert followers == 0 and torch.equal(after, keep)
+
+
+@pytest.mark.parametrize("name", ["ivar_mle", "icov_vb"])
+def test_a_screened_rule_drops_the_colluder_its_spread_alone_would_keep(name):
+    out = rule(name, weighting="screen")(colluders_round())
+    assert out.info["screen"]["split"] and out.info["screen"]["followers"] == 1
+    assert out.info["screen"]["dropped"] == [f"c{i}" for i in range(30, 50)]
+    torch.testing.assert_close(out.weights[:30], torch.full((30,), 1 / 30))

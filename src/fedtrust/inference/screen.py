@@ -29,6 +29,18 @@ Raftery's scale, JASA 1995) and its higher-spread component holds fewer than hal
 (the honest-majority assumption every robust rule makes). Then the groups assigned to that component are
 dropped; otherwise every group is kept. Kept groups get one vote each, split evenly among their members.
 The estimator and its window state are untouched: the screen only changes how its fit is used.
+
+A second look (:func:`drop_followers`), only once a group has been dropped: the dropped clients' mean
+less the kept clients' mean is the direction the dropped ones pushed the model. A kept client far along
+that same direction is one of them that the spread alone could not tell from the noisiest honest
+clients, and is dropped too: its position along the direction is an outlier among the kept clients'
+by the modified z-score (0.6745 (p_j - median) / MAD > 3.5; Iglewicz and Hoaglin 1993, "How to
+Detect and Handle Outliers"), one-sided (only towards the dropped group). Measured (Fashion-MNIST,
+IVAR-MLE, the split backdoor at 40%, seed 0): in 13 of 30 rounds one of the 20 attackers, boosted
+2.5-fold, sat at the top of the honest clients' spread and kept its vote (accuracy 0.823 with 12% of
+triggered images obeying the trigger); along the direction its modified z was 44-116, the honest
+clients' at most 2.9. The honest-majority assumption holds here too: the second look never takes the
+dropped clients to half of the round's.
 """
 
 from __future__ import annotations
@@ -40,6 +52,9 @@ import torch
 BIC_MARGIN = 6.0
 #: Fewer groups than this are never split (a two-component fit needs a few points per component).
 MIN_GROUPS = 5
+#: The second look drops a kept group whose modified z-score along the dropped group's direction
+#: exceeds this (Iglewicz and Hoaglin's outlier criterion).
+FOLLOWER_Z = 3.5
 
 
 def observed_spread(updates: torch.Tensor, consensus: torch.Tensor) -> torch.Tensor:
@@ -70,3 +85,34 @@ def spread_screen(spread: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tens
     if gain < BIC_MARGIN or members[high].sum() * 2 >= members.sum():
         return keep, {"split": False, "bic_gain": gain}
     return torch.as_tensor(~high), {"split": True, "bic_gain": gain}
+
+
+def drop_followers(
+    updates: torch.Tensor, keep: torch.Tensor, sizes: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """The second look: ``keep`` (groups,) less the kept groups far along the direction from the kept
+    groups' mean to the dropped groups' mean (``updates``: one row per group), and how many it dropped.
+    Nothing changes when no group was dropped, fewer than ``MIN_GROUPS`` are kept, the kept positions
+    have no spread (MAD 0), or the followers would take the dropped clients to half of the round's."""
+    kept = keep.to(updates.device)
+    if bool(kept.all()) or int(kept.sum()) < MIN_GROUPS:
+        return keep, 0
+    x = updates  # three matrix-vector products in its dtype (no float64 copy of the matrix)
+    inside_w, outside_w = (m.to(x.dtype) / m.sum() for m in (kept, ~kept))
+    centre = inside_w @ x
+    direction = outside_w @ x - centre
+    length = direction.norm()
+    if not bool(torch.isfinite(length)) or float(length) == 0.0:
+        return keep, 0
+    unit = direction / length
+    position = (x @ unit - centre @ unit).to("cpu", torch.float64)
+    inside = position[keep]
+    median = inside.median()
+    mad = (inside - median).abs().median()
+    if float(mad) == 0.0:
+        return keep, 0
+    followers = keep & (0.6745 * (position - median) / mad > FOLLOWER_Z)
+    members = sizes.detach().to("cpu", torch.float64)
+    if float(members[~keep | followers].sum()) * 2 >= float(members.sum()):
+        return keep, 0
+    return keep & ~followers, int(followers.sum())
