@@ -36,7 +36,7 @@ that same direction is one of them that the spread alone could not tell from the
 clients, and is dropped too: its position along the direction is an outlier among the kept clients'
 by the modified z-score (0.6745 (p_j - median) / MAD > 3.5; Iglewicz and Hoaglin 1993, "How to
 Detect and Handle Outliers"), one-sided (only towards the dropped group). Measured (Fashion-MNIST,
-IVAR-MLE, the split backdoor at 40%, seed 0): in 13 of 30 rounds one of the 20 attackers, boosted
+IVAR-MLE, the split backdoor at 40%, seed 0): in 12 of 30 rounds one of the 20 attackers, boosted
 2.5-fold, sat at the top of the honest clients' spread and kept its vote (accuracy 0.823 with 12% of
 triggered images obeying the trigger); along the direction its modified z was 44-116, the honest
 clients' at most 2.9. The honest-majority assumption holds here too: the second look never takes the
