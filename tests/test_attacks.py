@@ -110,3 +110,13 @@ def test_a_benign_update_that_diverged_is_left_out_of_what_the_attacker_computes
     sent = attack(name, **options)(ctx)
     assert torch.isfinite(sent).all()
     torch.testing.assert_close(sent, attack(name, **options)(without))
+
+
+def test_a_diverged_row_the_attacker_does_not_read_changes_nothing():
+    """The statistics skip the check of the rows when their result is finite; a NaN in a row outside
+    what the attacker reads (an attacker's own update, to an omniscient ALIE) must not leak in, whether
+    the BLAS skips a zero weight or not."""
+    ctx = context(n=10, bad=3, d=6)
+    expected = attack("alie", z=1.5)(context(n=10, bad=3, d=6))
+    ctx.updates[0, 4] = math.nan
+    torch.testing.assert_close(attack("alie", z=1.5)(ctx), expected)

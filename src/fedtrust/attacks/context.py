@@ -81,11 +81,15 @@ class AttackContext:
         nothing and are left out, unless every candidate is one: one NaN row would make every statistic
         NaN, the attack's vectors would be quarantined, and the table would credit the defence with an
         attack that never ran."""
+        mask = self._candidates(knowledge)
+        finite = mask & self._finite()
+        return torch.nonzero(finite if bool(finite.any()) else mask).squeeze(1)
+
+    def _candidates(self, knowledge: str) -> torch.Tensor:
         mask = self.bad if knowledge == "partial" else ~self.bad
         if knowledge != "partial" and not bool(mask.any()):
             mask = torch.ones_like(self.bad)
-        finite = mask & self._finite()
-        return torch.nonzero(finite if bool(finite.any()) else mask).squeeze(1)
+        return mask
 
     def _finite(self) -> torch.Tensor:
         """(n,) bool, on ``bad``'s device: the rows whose norm is finite (one read, once a round; an
@@ -98,38 +102,39 @@ class AttackContext:
         """The honest updates an attacker with this ``knowledge`` sees (a copy of those rows)."""
         return self.updates.index_select(0, self.rows(knowledge))
 
-    def _weighted(self, knowledge: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(x, w, k): the known updates' mean is w @ x, over k of them. Where every row is finite x is the
-        round's matrix and w zero outside the known rows (no copy); else x is a copy of the known rows
-        (a zero weight on a NaN row would still give NaN)."""
-        rows = self.rows(knowledge)
-        k = len(rows)
-        if bool(self._finite().all()):
+    def _weighted(self, knowledge: str, checked: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(x, w, k): the known updates' mean is w @ x, over k of them. Unchecked: every candidate row,
+        x the round's matrix and w zero outside them (no copy, no pass to check the rows). Checked: the
+        finite ones (:meth:`rows`), x a copy of them (a zero weight on a NaN row can still give NaN)."""
+        if not checked:
+            mask = self._candidates(knowledge)
+            k = int(mask.sum())
             w = torch.zeros(len(self.updates), dtype=self.updates.dtype, device=self.updates.device)
-            w[rows] = 1.0 / k
+            w[mask.to(w.device)] = 1.0 / k
             return self.updates, w, k
+        rows = self.rows(knowledge)
         x = self.updates.index_select(0, rows)
-        return x, torch.full((k,), 1.0 / k, dtype=x.dtype, device=x.device), k
+        return x, torch.full((len(rows),), 1.0 / len(rows), dtype=x.dtype, device=x.device), len(rows)
+
+    def _statistics(self, knowledge: str, compute):
+        """``compute(x, w, k)`` (a tuple of tensors) over the candidate rows unchecked, the common case at
+        no extra pass; where a result is not finite, a row may not be, and it is computed again over the
+        finite rows alone."""
+        out = compute(*self._weighted(knowledge, checked=False))
+        if all(bool(torch.isfinite(t.sum())) for t in out):  # a sum carries any NaN/inf (or overflows)
+            return out
+        return compute(*self._weighted(knowledge, checked=True))
 
     def mean(self, knowledge: str) -> torch.Tensor:
         """The coordinate-wise mean of the known updates: one matrix-vector product."""
-        x, w, _ = self._weighted(knowledge)
-        return weighted_sum(x, w)
+        return self._statistics(knowledge, lambda x, w, k: (weighted_sum(x, w),))[0]
 
     def mean_std(self, knowledge: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The coordinate-wise mean and (unbiased) standard deviation of the known updates, in one read
         of the matrix: a weighted matrix-vector product, then the centred squares column block by column
         block (torch's own std over the client axis is several times slower on wide matrices). The
         standard deviation of a single update is 0."""
-        x, w, k = self._weighted(knowledge)
-        mean = weighted_sum(x, w)
-        var = torch.zeros_like(mean)
-        if k > 1:
-            for cols in column_blocks(x, "stream"):
-                centred = x[:, cols] - mean[cols]
-                var[cols] = w @ centred.square_()
-            var *= k / (k - 1)
-        return mean, var.sqrt_()
+        return self._statistics(knowledge, _mean_std)
 
     def with_sent(self, sent: torch.Tensor, knowledge: str = "omniscient") -> torch.Tensor:
         """The (n, d) matrix the server receives when the corrupted clients send ``sent``, as an attacker
@@ -173,6 +178,17 @@ class AttackContext:
         if knowledge not in targets:
             targets[knowledge] = self.mean(knowledge).to(torch.float64)
         return float((out.to(torch.float64) - targets[knowledge]).norm())
+
+
+def _mean_std(x: torch.Tensor, w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = weighted_sum(x, w)
+    var = torch.zeros_like(mean)
+    if k > 1:
+        for cols in column_blocks(x, "stream"):
+            centred = x[:, cols] - mean[cols]
+            var[cols] = w @ centred.square_()
+        var *= k / (k - 1)
+    return mean, var.sqrt_()
 
 
 class Knowing:
