@@ -134,12 +134,13 @@ def rule(name: str, **options: Any) -> BaseRule:
     if pre is None:
         return build("rule", RULES, name, options)
     specs = _pre_specs(pre)
-    rule_takes_f = "f" in options_of(lookup("rule", RULES, name))
-    if "f" in options and not rule_takes_f and any(_takes_f(n) for n, _ in specs):
-        # the federation's Byzantine budget, for the stages that use it ("arc+mean", f=0.2)
-        budget = {"f": options.pop("f")}
-    else:
-        budget = options
+    budget = options  # what the stages read their f from
+    if (
+        "f" in options
+        and "f" not in options_of(lookup("rule", RULES, name))
+        and any(_takes_f(n) for n, _ in specs)
+    ):
+        budget = {"f": options.pop("f")}  # the Byzantine budget is the stages' alone ("arc+mean", f=0.2)
     final = build("rule", RULES, name, options)
     stages = [_pre_aggregator(spec, budget) for spec in specs]
     return PreAggregated(stages, final) if stages else final
