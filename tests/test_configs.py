@@ -29,6 +29,10 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
         ),
         ({"train": {"lr": "fast"}}, r"train.lr: Input should be a valid number"),
         (
+            {"train": {"mode": "one_round", "server_lr": 0.5}},
+            r"train: Value error, server_lr 0.5 has no effect in one_round mode",
+        ),
+        (
             {"corruption": {"fraction": 2}},
             r"corruption.fraction: Input should be less than or equal to 1 \(got 2\)",
         ),

@@ -10,9 +10,11 @@ optimal ALIE / IPM).
 
 What the attacker knows is an attack's ``knowledge`` option (Fang et al. 2020, Section 3):
 
-- ``"omniscient"``: the benign clients' updates this round (ALIE, IPM, min-max and min-sum assume it);
+- ``"omniscient"``: the benign clients' updates this round (IPM, min-max and min-sum assume it; the
+  default of every attack that takes the option);
 - ``"partial"``: only the corrupted clients' own honest updates, which they compute by training on their
-  own data (so the simulator trains them): :meth:`AttackContext.known` returns what the option allows.
+  own data (so the simulator trains them; ALIE's paper assumes this):
+  :meth:`AttackContext.known` returns what the option allows.
 """
 
 from __future__ import annotations

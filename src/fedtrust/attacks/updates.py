@@ -3,9 +3,11 @@
 An attack is a class whose constructor validates its options and whose call gets an
 :class:`~fedtrust.attacks.context.AttackContext` (this round's honest updates of every sampled client,
 which of them are corrupted, the global vector) and returns the (n_bad, d) vectors the corrupted clients
-send. ALIE and IPM read the benign clients' updates, as their papers assume (``knowledge="omniscient"``);
-with ``knowledge="partial"`` they estimate the same statistics from the corrupted clients' own honest
-updates (Fang et al. 2020's partial-knowledge setting). The attacks that search against the rule are in
+send. ALIE and IPM read the benign clients' updates by default (``knowledge="omniscient"``), as IPM's
+paper assumes; with ``knowledge="partial"`` they estimate the same statistics from the corrupted clients'
+own honest updates, which is ALIE's own setting (Baruch et al. 2019, Algorithm 3 takes the corrupted
+workers' gradients) and Fang et al. 2020's partial knowledge. ALIE's omniscient default is the stronger
+attacker most benchmarks run (ByzFL's, Karimireddy et al.'s). The attacks that search against the rule are in
 :mod:`fedtrust.attacks.adaptive`.
 """
 
@@ -109,7 +111,8 @@ class ModelReplacement:
 
 class ALIE(Knowing):
     """ "A little is enough" (Baruch, Baruch, Goldberg 2019): every corrupted client sends
-    mu - z * sigma, the benign updates' coordinate-wise mean and standard deviation, with
+    mu - z * sigma, the coordinate-wise mean and standard deviation of the benign updates (omniscient, the
+    default) or of the corrupted clients' own honest ones (``knowledge="partial"``, the paper's), with
     z = Phi^-1((n - s) / n), s = floor(n / 2 + 1) - f (their eq. for z_max) unless ``z`` is given. With
     f >= n / 2 + 1 the formula has no finite z; the quantile is clipped to 1 - 1e-6 (z = 4.75)."""
 

@@ -6,7 +6,7 @@ import re
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?")
 
@@ -88,6 +88,17 @@ class TrainSettings(BaseModel):
         if not _DEVICE.fullmatch(v):
             raise ValueError("must be auto, cpu, cuda, cuda:<i>, mps or xpu[:<i>]")
         return v
+
+    @model_validator(mode="after")
+    def _server_lr_has_an_effect(self) -> TrainSettings:
+        """In one_round mode the aggregate is the final model: a server step would be silently ignored by
+        the server and read by model replacement's boost (n / eta), so it is refused."""
+        if self.mode == "one_round" and self.server_lr != 1.0:
+            raise ValueError(
+                f"server_lr {self.server_lr} has no effect in one_round mode (the aggregate is the final "
+                "model); leave it at 1"
+            )
+        return self
 
     @property
     def rounds_run(self) -> int:
