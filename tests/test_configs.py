@@ -29,6 +29,10 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
         ),
         ({"train": {"lr": "fast"}}, r"train.lr: Input should be a valid number"),
         (
+            {"rule": {"name": "fltrust"}},
+            r"rule: fltrust reads the server's benchmark split \(Round.reference: update\), but data.benchmark is 0",
+        ),
+        (
             {"train": {"mode": "one_round", "server_lr": 0.5}},
             r"train: Value error, server_lr 0.5 has no effect in one_round mode",
         ),

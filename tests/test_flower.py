@@ -67,9 +67,19 @@ class BrokenClient:
             good["weight"] = np.zeros((3, 3), dtype=np.float32)
         if self.how == "nan":
             good["bias"] = np.full_like(good["bias"], np.nan)
+        if self.how == "big-endian":  # the same floats, stored the other way round
+            good = {k: v.astype(">f4") for k, v in good.items()}
+        if self.how in ("int64", "complex128", "longdouble"):
+            good["weight"] = good["weight"].astype(self.how)
+        if self.how == "reordered":
+            good = dict(reversed(good.items()))
         metrics = {"num-examples": 10, "train_loss": 1.0}
         if self.how == "no count":
             metrics = {"train_loss": 1.0}
+        if self.how == "nan":  # a quarantined node's metrics must not reach the round's
+            metrics["train_loss"] = 1e6
+        if self.how == "nan metrics":
+            metrics.update(loss=float("nan"), accuracy=0.0)
         content = RecordDict(
             {"arrays": ArrayRecord({k: Array(v) for k, v in good.items()}), "metrics": MetricRecord(metrics)}
         )
@@ -88,9 +98,72 @@ def test_malformed_replies_are_dropped_with_a_reason_and_the_round_goes_on():
     assert "array 'weight' has shape (3, 3), expected (10, 64)" in dropped["201"]
     assert "metric 'num-examples' missing" in dropped["203"]
     assert "non-finite" in strategy.history[-1]["quarantined"]["202"]  # the rule quarantines NaN itself
+    assert result.train_metrics_clientapp[2]["train_loss"] < 10  # not the quarantined node's 1e6
     # Flower's own FedAvg ends the run on the same replies
     with pytest.raises(InconsistentMessageReplies):
         run(FedAvg(fraction_evaluate=0.0, min_available_nodes=8), federation(extra=broken), rounds=1)
+
+
+def test_a_reply_in_another_float_layout_is_read_and_one_that_is_not_floats_is_dropped():
+    """Arrays are matched by name and read in either byte order; integers, complex numbers and extended
+    precision in a float entry would be truncated by a cast, so the reply goes, and the round goes on."""
+    hows = ["big-endian", "reordered", "int64", "complex128", "longdouble"]
+    broken = {200 + i: (BrokenClient(how), {}) for i, how in enumerate(hows)}
+    strategy = TrustStrategy(rule="median", fraction_evaluate=0.0, min_available_nodes=9)
+    result = run(strategy, federation(extra=broken), rounds=2)
+    assert accuracy(result.arrays) > 0.7
+    record = strategy.history[-1]
+    assert {"200", "201"} <= set(record["clients"]) and not record["quarantined"]
+    for node, dtype in (("202", "int64"), ("203", "complex128"), ("204", "float128")):
+        assert (
+            record["dropped"][node] == f"array 'weight' holds {dtype}, expected float16, float32 or float64"
+        )
+
+
+def test_a_count_too_large_for_the_rounds_is_left_out_of_arfls_initial_report_too():
+    """A node claiming 1e300 examples: beyond float32, so every round quarantines it; recorded from the
+    initial report it would outweigh every honest node in every round after."""
+
+    class Boaster:
+        def __call__(self, msg, context):
+            metrics = MetricRecord({"num-examples": 1e300, "train_loss": 1.0})
+            content = RecordDict({"metrics": metrics})
+            if "arrays" in msg.content and msg.metadata.message_type == "train":
+                content["arrays"] = msg.content["arrays"]
+            return Message(content=content, reply_to=msg)
+
+    strategy = TrustStrategy(rule="arfl", fraction_evaluate=0.0, min_available_nodes=5)
+    result = run(strategy, federation(extra={200: (Boaster(), {})}), rounds=2)
+    assert 200 not in strategy.rule.state_dict()["samples"]
+    assert all(r["error"] is None for r in strategy.history) and accuracy(result.arrays) > 0.7
+
+
+def test_fltrust_trains_the_servers_own_update_on_its_root_data():
+    from fedtrust.flower import server_training
+
+    root = (DIGITS.x_test[:100], DIGITS.y_test[:100])
+    with pytest.raises(ValueError, match="give server_update="):
+        TrustStrategy(rule="fltrust")
+    calls = []
+    train = server_training(model(), root, local_epochs=2, lr=0.5)
+
+    def server_update(arrays, t):
+        calls.append(t)
+        return train(arrays, t)
+
+    strategy = TrustStrategy(rule="fltrust", server_update=server_update, fraction_evaluate=0.0,
+                             min_available_nodes=4)  # fmt: skip
+    result = run(strategy, federation(bad={2: {"fedtrust-attack": "sign_flip"}}), rounds=3)
+    assert calls == [1, 2, 3]  # once a round
+    assert strategy.trust()["partition-2"] == 0.0 and accuracy(result.arrays) > 0.8
+
+
+def test_client_evaluations_with_a_non_finite_metric_are_left_out_of_the_average():
+    broken = {300: (BrokenClient("nan metrics"), {})}
+    strategy = TrustStrategy(rule="mean", min_available_nodes=5, min_evaluate_nodes=5)
+    result = run(strategy, federation(extra=broken), rounds=1)
+    evaluation = result.evaluate_metrics_clientapp[1]
+    assert math.isfinite(evaluation["loss"]) and evaluation["accuracy"] > 0.5
 
 
 def test_focus_scores_updates_on_the_server_benchmark():
@@ -124,6 +197,24 @@ def test_strategy_rejects_bad_setup():
         TrustStrategy(rule="krumm")
     with pytest.raises(ValueError, match="a benchmark split needs the model"):
         TrustStrategy(rule="focus", benchmark=(DIGITS.x_test, DIGITS.y_test))
+    with pytest.raises(ValueError, match="rule 'focus' scores each update on the server's benchmark split"):
+        TrustStrategy(rule="focus")
+    with pytest.raises(ValueError, match="rule 'arfl' scores each update"):
+        TrustStrategy(rule="arfl", rule_options={"defence": "benchmark"})
+    # each option named with the value, before any node trains
+    for options, message in [
+        ({"rule": 0.5}, "rule must be a rule name or a fedtrust rule object, got 0.5"),
+        ({"rule_options": [("f", 1)]}, "rule_options must be a dict"),
+        ({"train_metrics_aggr_fn": "mean"}, "train_metrics_aggr_fn must be a function or None, got 'mean'"),
+        ({"corrupted": "partition-1"}, "corrupted must be a list of node names"),
+        ({"initial_report": "no"}, "initial_report must be True or False, got 'no'"),
+        ({"query_timeout": True}, "query_timeout must be seconds > 0, got True"),
+        ({"run_dir": "runs/x"}, "run_dir must be an absolute path, got 'runs/x'"),
+        ({"run_dir": 5}, "run_dir must be a path, got 5"),
+        ({"model": model(), "task": "regresion"}, "task must be 'classification' or 'regression'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            TrustStrategy(**options)
 
 
 def test_simulation_corrupts_the_partitions_the_run_config_lists():

@@ -9,17 +9,17 @@ simulation by listing its partition in the run config's ``fedtrust-corrupted-par
 from flwr.app import Context
 
 from fedtrust.flower import trust_client_app
-from fedtrust_example.task import make_model, partition
+from fedtrust_example.task import make_model, partition, setting
 
 
 def _data(context: Context):
     cfg = context.run_config
     node = context.node_config
     return partition(
-        str(cfg["dataset"]),
+        setting(cfg, "dataset", str),
         int(node["partition-id"]),
         int(node["num-partitions"]),
-        int(cfg["benchmark-size"]),
+        setting(cfg, "benchmark-size", int, minimum=0),
     )
 
 

@@ -6,9 +6,10 @@ import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from fedtrust.flower import ArrayLayout, TrustStrategy
+from fedtrust.flower import ArrayLayout, TrustStrategy, server_training
 from fedtrust.models import FlatModel
-from fedtrust_example.task import make_model, server_data
+from fedtrust.registry import parse_spec
+from fedtrust_example.task import make_model, server_data, setting
 
 app = ServerApp()
 
@@ -16,30 +17,42 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
-    dataset, rule = str(cfg["dataset"]), str(cfg["rule"])
-    benchmark, (x_test, y_test) = server_data(dataset, int(cfg["benchmark-size"]))
-    torch.manual_seed(int(cfg["seed"]))  # the initial model: the same run gives the same numbers
-    model = make_model(dataset, str(cfg["model"]))
+    dataset, model_name = setting(cfg, "dataset", str), setting(cfg, "model", str)
+    rule, rule_options = parse_spec(setting(cfg, "rule", str))  # "ivar_vb" or "trimmed_mean(f=0.2)"
+    size = setting(cfg, "benchmark-size", int, minimum=0)
+    benchmark, (x_test, y_test) = server_data(dataset, size)
+    torch.manual_seed(setting(cfg, "seed", int, minimum=0))  # the initial model: a run gives the same numbers
+    model = make_model(dataset, model_name)
     # simulation: the partitions the run config corrupts are known, so the report can score detection
-    corrupted = str(cfg.get("fedtrust-corrupted-partitions", "")).replace(",", " ").split()
+    corrupted = setting(cfg, "fedtrust-corrupted-partitions", str).replace(",", " ").split()
+    # FLTrust's root-data update: the server trains on its benchmark rows as the nodes train
+    training = {"local_epochs": setting(cfg, "local-epochs", int, minimum=1),
+                "batch_size": setting(cfg, "batch-size", int, minimum=1),
+                "lr": setting(cfg, "learning-rate", float, minimum=0.0)}  # fmt: skip
+    root = server_training(make_model(dataset, model_name), benchmark, **training) if size else None
     strategy = TrustStrategy(
         rule=rule,
+        rule_options=rule_options,
         model=model,
-        benchmark=benchmark if int(cfg["benchmark-size"]) > 0 else None,
-        fraction_train=float(cfg["fraction-train"]),
+        benchmark=benchmark if size else None,
+        server_update=root,
+        fraction_train=setting(cfg, "fraction-train", float, minimum=0.0),
         fraction_evaluate=0.0,
-        min_available_nodes=int(cfg["min-nodes"]),
-        min_train_nodes=int(cfg["min-nodes"]),
+        min_available_nodes=setting(cfg, "min-nodes", int, minimum=1),
+        min_train_nodes=setting(cfg, "min-nodes", int, minimum=1),
         corrupted=[f"partition-{p}" for p in corrupted],
-        run_dir=str(cfg["run-dir"]) or None,
+        run_dir=setting(cfg, "run-dir", str) or None,
     )
     initial = ArrayRecord(model.state_dict())
     layout = ArrayLayout(initial)
-    flat = FlatModel(make_model(dataset, str(cfg["model"])), "classification")
+    flat = FlatModel(make_model(dataset, model_name), "classification")
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         return MetricRecord(flat.evaluate(layout.flatten(arrays), x_test, y_test))
 
     strategy.start(
-        grid=grid, initial_arrays=initial, num_rounds=int(cfg["num-server-rounds"]), evaluate_fn=evaluate
+        grid=grid,
+        initial_arrays=initial,
+        num_rounds=setting(cfg, "num-server-rounds", int, minimum=0),
+        evaluate_fn=evaluate,
     )

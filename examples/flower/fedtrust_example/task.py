@@ -36,6 +36,18 @@ def make_model(dataset: str, model: str = "cnn") -> nn.Module:
     )  # fmt: skip
 
 
+def setting(cfg, key: str, kind: type, minimum: float | None = None):
+    """The run config's ``key`` as ``kind`` (an int where a float is asked for counts), or an error
+    naming the key and the value."""
+    value = cfg[key]
+    ok = isinstance(value, kind) or (kind is float and isinstance(value, int))
+    if isinstance(value, bool) or not ok:
+        raise ValueError(f"run config {key} must be {kind.__name__}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"run config {key} must be >= {minimum}, got {value!r}")
+    return kind(value)
+
+
 def partition(dataset: str, index: int, parts: int, benchmark: int = 0) -> LocalData:
     """Node ``index`` of ``parts`` gets an IID share of the training rows (after the first ``benchmark``
     rows, which the server keeps) and the test split for evaluation."""
@@ -49,5 +61,7 @@ def partition(dataset: str, index: int, parts: int, benchmark: int = 0) -> Local
 def server_data(dataset: str, benchmark: int):
     """The server's trusted benchmark rows and the test split for its own evaluation."""
     data = load(dataset)
+    if not 0 <= benchmark < len(data.y_train):
+        raise ValueError(f"run config benchmark-size must be in [0, {len(data.y_train)}), got {benchmark}")
     order = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))[:benchmark]
     return (data.x_train[order], data.y_train[order]), (data.x_test, data.y_test)

@@ -95,6 +95,10 @@ class ARFL(BaseRule):
         self._loss: dict[Any, float] = {}
         self._samples: dict[Any, float] = {}
 
+    @property
+    def reads_reference(self) -> tuple[str, ...]:
+        return ("loss",) if self.defence == "benchmark" else ()
+
     def observe(self, client_ids: Sequence, num_samples, metrics: Mapping[str, Any]) -> dict[Any, str]:
         """Record losses without aggregating (the initial report of every client). A report the front door
         would quarantine (a loss that is not finite, a count that is not a finite non-negative number) is

@@ -80,6 +80,14 @@ class BaseRule(Component):
     def __call__(self, round: Round) -> Aggregate:
         return call_rule(self, round)
 
+    @property
+    def reads_reference(self) -> tuple[str, ...]:
+        """What the rule reads of ``Round.reference`` (:class:`~fedtrust.aggregators.info.Reference`):
+        ``"loss"``, an update's loss on the server's benchmark split; ``"update"``, the server's own update
+        on it. Empty for a rule that reads neither. The simulator and the Flower strategy refuse a rule
+        whose reference they cannot build before any round runs."""
+        return ()
+
     def aggregate(self, round: Round) -> Aggregate:
         """Aggregate a screened round (``round.quarantined`` lists the clients already removed)."""
         raise NotImplementedError

@@ -69,6 +69,7 @@ class FOCUS(BaseRule):
     per_client_state = True
     paper = "Chen et al. 2020, FOCUS: Dealing with Label Quality Disparity in Federated Learning"
     requires = ("train_loss",)
+    reads_reference = ("loss",)
 
     def __init__(
         self, alpha: float = 1.0, reduction: str = "sum", defence: str = "none", sybils: str = "share"

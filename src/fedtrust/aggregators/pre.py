@@ -276,6 +276,10 @@ class PreAggregated(BaseRule):
     def rule(self) -> Any:
         return self._rule
 
+    @property
+    def reads_reference(self) -> tuple[str, ...]:
+        return tuple(getattr(self._rule, "reads_reference", ()))
+
     def options(self) -> dict[str, Any]:
         inner = self._rule.options() if hasattr(self._rule, "options") else {}
         pre = [{"name": p.name, **p.options()} for p in self._pre]

@@ -5,7 +5,15 @@ strategy = TrustStrategy(rule="arfl", fraction_train=0.5)
 """
 
 from fedtrust.flower.arrays import ArrayLayout, MalformedReply
-from fedtrust.flower.client import LocalData, node_name, trust_client_app
+from fedtrust.flower.client import LocalData, node_name, server_training, trust_client_app
 from fedtrust.flower.strategy import TrustStrategy
 
-__all__ = ["ArrayLayout", "LocalData", "MalformedReply", "TrustStrategy", "node_name", "trust_client_app"]
+__all__ = [
+    "ArrayLayout",
+    "LocalData",
+    "MalformedReply",
+    "TrustStrategy",
+    "node_name",
+    "server_training",
+    "trust_client_app",
+]

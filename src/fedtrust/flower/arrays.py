@@ -1,7 +1,8 @@
 """Flower ArrayRecords <-> the flat vectors fedtrust rules aggregate.
 
-The vector holds the record's floating-point arrays, in the record's order, in the widest of their
-dtypes (at least float32: float64 arrays make a float64 vector). For a record built from
+The vector holds the record's floating-point arrays, in the global record's order (a reply's arrays are
+matched by name), in the widest of their dtypes (at least float32: float64 arrays make a float64
+vector). For a record built from
 ``module.state_dict()`` it is :class:`fedtrust.models.FlatModel`'s vector (parameters and batch norm's
 running statistics). Other numeric arrays (integer buffers such as batch norm's ``num_batches_tracked``)
 are not aggregated: a reply's must have the right shape, and the layout writes back the values of the
@@ -45,10 +46,10 @@ class ArrayLayout:
         fit."""
         if not isinstance(record, ArrayRecord):
             raise MalformedReply(f"expected an ArrayRecord, got {type(record).__name__}")
-        keys = list(record.keys())
-        if keys != self.names:
-            missing = [k for k in self.names if k not in keys]
-            extra = [k for k in keys if k not in self.names]
+        keys = set(record.keys())
+        missing = [k for k in self.names if k not in keys]
+        extra = sorted(keys.difference(self.names))
+        if missing or extra:
             raise MalformedReply(f"arrays do not match the model: missing {missing}, unexpected {extra}")
         parts = []
         for name, shape, floating in zip(self.names, self.shapes, self.floating, strict=True):
@@ -61,8 +62,17 @@ class ArrayLayout:
             if not np.issubdtype(values.dtype, np.number):
                 raise MalformedReply(f"array {name!r} holds {values.dtype}, not numbers")
             if floating:
-                parts.append(torch.as_tensor(np.ascontiguousarray(values), dtype=self.dtype).reshape(-1))
+                parts.append(self._floats(name, values))
         return torch.cat(parts) if parts else torch.zeros(0, dtype=self.dtype)
+
+    def _floats(self, name: str, values: np.ndarray) -> torch.Tensor:
+        """A floating entry's values as a flat tensor of the layout's dtype: float16/32/64 in either byte
+        order; integers, complex numbers and extended precision are refused (a cast would truncate or drop
+        part of each value)."""
+        if values.dtype.kind != "f" or values.dtype.itemsize > 8:
+            raise MalformedReply(f"array {name!r} holds {values.dtype}, expected float16, float32 or float64")
+        native = values.astype(values.dtype.newbyteorder("="), copy=False)
+        return torch.as_tensor(np.ascontiguousarray(native), dtype=self.dtype).reshape(-1)
 
     def unflatten(self, vector: torch.Tensor) -> ArrayRecord:
         """An ArrayRecord of ``vector`` (each array in its own dtype) and the kept non-floating arrays."""

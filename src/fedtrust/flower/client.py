@@ -9,7 +9,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedtrust._checks import check_float
+from fedtrust._checks import check_float, check_int
 from fedtrust.attacks import AttackContext, attack
 from fedtrust.data.corruptions import corrupt, data_corruption
 from fedtrust.flower.arrays import ArrayLayout
@@ -103,11 +103,8 @@ def trust_client_app(
         layout, start = received(msg)
         loss = mean_loss(model, start, data.x_train, data.y_train)
         server_round = int(msg.content[configrecord_key].get("server-round", 0))
-        g = torch.Generator().manual_seed(seed * 7919 + server_round)
         run = {key: context.run_config.get(key, value) for key, value in defaults.items()}
-        new = local_sgd(model, start, data.x_train, data.y_train, int(run["local-epochs"]),
-                        int(run["batch-size"]), float(run["learning-rate"]), float(run["weight-decay"]),
-                        g)  # fmt: skip
+        new, g = _local_training(model, start, data.x_train, data.y_train, run, seed, server_round)
         new = _attacked(context, start, new, g)
         metrics = {weighted_by_key: len(data.y_train), train_loss_key: _reported_loss(context, loss)}
         return reply(msg, context, layout.unflatten(new), metrics)
@@ -128,6 +125,45 @@ def trust_client_app(
         return reply(msg, context, None, metrics)
 
     return app
+
+
+def server_training(
+    model: torch.nn.Module | FlatModel,
+    root_data: tuple[torch.Tensor, torch.Tensor],
+    *,
+    task: str = "classification",
+    local_epochs: int = 1,
+    batch_size: int = 32,
+    lr: float = 0.05,
+    weight_decay: float = 0.0,
+    seed: int = 0,
+) -> Callable[[ArrayRecord, int], ArrayRecord]:
+    """A :class:`~fedtrust.flower.TrustStrategy` ``server_update`` (FLTrust's g_0, Cao et al. 2021): each
+    round the server trains the global model on its root data ``(x, y)`` as :func:`trust_client_app`'s
+    nodes train (the same options, defaults and seeding), and the strategy takes the change as its own
+    update. Give it the options the nodes train with."""
+    flat = model if isinstance(model, FlatModel) else FlatModel(model, task)
+    x, y = root_data
+    run = {"local-epochs": local_epochs, "batch-size": batch_size, "learning-rate": lr,
+           "weight-decay": weight_decay}  # fmt: skip
+
+    def update(arrays: ArrayRecord, server_round: int) -> ArrayRecord:
+        layout = ArrayLayout(arrays)
+        new, _ = _local_training(flat, layout.flatten(arrays), x, y, run, seed, server_round)
+        return layout.unflatten(new)
+
+    return update
+
+
+def _local_training(model: FlatModel, start, x, y, run: dict, seed: int, server_round: int):
+    """``run``'s epochs of SGD from ``start`` (seeded by the round), and the generator it drew from; a
+    setting out of range is refused naming its run-config key."""
+    epochs = check_int("local-epochs", run["local-epochs"], minimum=1)
+    batch_size = check_int("batch-size", run["batch-size"], minimum=1)
+    lr = check_float("learning-rate", run["learning-rate"], minimum=0.0, strict_min=True)
+    weight_decay = check_float("weight-decay", run["weight-decay"], minimum=0.0)
+    g = torch.Generator().manual_seed(seed * 7919 + server_round)
+    return local_sgd(model, start, x, y, epochs, batch_size, lr, weight_decay, g), g
 
 
 def node_name(context: Context) -> str:

@@ -10,6 +10,7 @@ integration test for a SuperLink and SuperNodes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -114,10 +115,23 @@ class Processes:
         return self.alive()
 
 
+def unfinished_runs(procs: Processes) -> list[str]:
+    """The runs on this SuperLink that did not finish as completed (``flwr run --stream`` exits 0 when
+    the ServerApp raised), as ``run <id>: <status> (<details>)``; one line if the status cannot be read."""
+    listed = procs.flwr("list", "local", "--format", "json")
+    try:
+        runs = json.loads(listed.stdout)["runs"]
+    except (ValueError, KeyError, TypeError):
+        return [f"cannot read the run's status (flwr list: {(listed.stdout + listed.stderr).strip()[-300:]})"]
+    return [f"run {r.get('run-id')}: {r.get('status')} ({r.get('status-details')})" for r in runs
+            if r.get("status") != "finished:completed"]  # fmt: skip
+
+
 def simulate(app: str | Path, nodes: int, run_config: str | None = None, logs: Path | None = None) -> int:
     """``flwr run APP --stream`` in Flower's simulation engine with ``nodes`` SuperNodes, on a SuperLink
     started for it and stopped (with everything it started) when the run ends; the exit status of
-    ``flwr run``. The SuperLink's log goes to ``logs`` (default: a temporary folder, removed)."""
+    ``flwr run``, or 1 when it exited 0 but the run did not finish as completed (a ServerApp that raised).
+    The SuperLink's log goes to ``logs`` (default: a temporary folder, removed)."""
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise ValueError(f"nodes must be a whole number >= 1, got {nodes!r}")
     if not (Path(app) / "pyproject.toml").is_file():
@@ -138,7 +152,11 @@ def simulate(app: str | Path, nodes: int, run_config: str | None = None, logs: P
                        "--federation-config", f"num-supernodes={nodes}"]  # fmt: skip
             if run_config:
                 command += ["--run-config", run_config]
-            return procs.flwr(*command, timeout=None, capture=False).returncode
+            code = procs.flwr(*command, timeout=None, capture=False).returncode
+            failed = unfinished_runs(procs) if code == 0 else []
+            for line in failed:
+                print(f"fedtrust flower-run: {line}", file=sys.stderr)
+            return 1 if failed else code
         finally:
             left = procs.stop()
             if left:

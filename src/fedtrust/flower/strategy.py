@@ -15,8 +15,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
 from flwr.supercore import log
 
-from fedtrust.aggregators import Round
-from fedtrust.flower.arrays import ArrayLayout
+from fedtrust.aggregators import Round, RoundRefused
+from fedtrust.flower.arrays import ArrayLayout, MalformedReply
 from fedtrust.flower.replies import Reply, display_names, numbers_in_all, screen, shared_metrics
 from fedtrust.flower.runlog import RunDirectory
 from fedtrust.models import FlatModel
@@ -43,7 +43,9 @@ class TrustStrategy(FedAvg):
     ``weighted_by_key`` counts, ``metrics`` the MetricRecords (``train_loss_key`` is read as the
     ``train_loss`` ARFL and FOCUS need: the global model's loss on the node's data before training). With a
     ``model`` and a ``benchmark`` (x, y) split the server scores updates on it (``Round.reference``: FOCUS,
-    FLTrust-style defences).
+    the ``"benchmark"`` loss defence); with ``server_update`` (e.g. :func:`~fedtrust.flower.server_training`
+    on its root data) it trains its own update each round (FLTrust's g_0). A rule whose reference the
+    strategy cannot build is refused when the strategy is made, as is any option of the wrong kind.
 
     **Bad replies.** A reply that failed, lacks a key, or has arrays that do not fit is dropped with a
     logged reason and the round goes on with the rest (``FedAvg`` raises ``InconsistentMessageReplies``
@@ -90,6 +92,7 @@ class TrustStrategy(FedAvg):
         train_loss_key: str = "train_loss",
         model: torch.nn.Module | FlatModel | None = None,
         benchmark: tuple[torch.Tensor, torch.Tensor] | None = None,
+        server_update: Callable[[ArrayRecord, int], ArrayRecord] | None = None,
         task: str = "classification",
         initial_report: bool = True,
         identity: str = "node-id",
@@ -115,6 +118,20 @@ class TrustStrategy(FedAvg):
             model = FlatModel(model, task)
         if benchmark is not None and model is None:
             raise ValueError("TrustStrategy: a benchmark split needs the model to score updates on it")
+        reads = getattr(self.rule, "reads_reference", ())
+        rule_name = getattr(self.rule, "name", type(self.rule).__name__)
+        if "loss" in reads and benchmark is None:
+            raise ValueError(
+                f"TrustStrategy: rule {rule_name!r} scores each update on the server's benchmark split; "
+                "give model= and benchmark=(x, y)"
+            )
+        if "update" in reads and server_update is None:
+            raise ValueError(
+                f"TrustStrategy: rule {rule_name!r} reads the server's own update on its root data each "
+                "round; give server_update=, a function (arrays, server_round) -> the arrays after the "
+                "server trained them on its root data as a node trains"
+            )
+        self.server_update = server_update
         self.train_loss_key = train_loss_key
         self.model = model
         self.benchmark = benchmark
@@ -282,26 +299,23 @@ class TrustStrategy(FedAvg):
         for name, reason in dropped.items():
             log(WARNING, "initial report: dropped node %s: %s", name, reason)
         if accepted:
-            self.rule.observe(
+            # in the rounds' dtype, so a report the rounds would quarantine (a count or a loss beyond it) is
+            # left out here too, rather than recorded once and weighed every round after
+            dtype = self.layout.dtype if self.layout is not None else torch.float32
+            left_out = self.rule.observe(
                 [self._key(r) for r in accepted],
-                [r.number(self.weighted_by_key) for r in accepted],
-                {"train_loss": torch.tensor([r.number(self.train_loss_key) for r in accepted])},
+                torch.tensor([r.number(self.weighted_by_key) for r in accepted], dtype=dtype),
+                {"train_loss": torch.tensor([r.number(self.train_loss_key) for r in accepted], dtype=dtype)},
             )
+            for key, reason in (left_out or {}).items():
+                log(WARNING, "initial report: left out node %s: %s", key, reason)
             log(INFO, "initial report: %s from %d nodes", self.train_loss_key, len(accepted))
         self._observed = True
 
-    def _reference(self) -> Callable[[torch.Tensor], float] | None:
-        if self.model is None or self.benchmark is None:
+    def _reference(self, t: int) -> ServerReference | None:
+        if self.benchmark is None and self.server_update is None:
             return None
-        bx, by = self.benchmark
-        start = self.global_vector
-
-        def reference(update: torch.Tensor) -> float:
-            with torch.no_grad():
-                return float(self.model.loss(start + update, bx, by))
-
-        reference.size = len(by)  # type: ignore[attr-defined]
-        return reference
+        return ServerReference(self, t)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -335,7 +349,7 @@ class TrustStrategy(FedAvg):
             client_ids=[self._key(r) for r in accepted],
             num_samples=counts,
             metrics=metrics,
-            reference=self._reference(),
+            reference=self._reference(t),
         )
         step = server_step(self.rule, round_, self.global_vector, lambda delta: self.global_vector + delta)
         corrupted = [name in self.corrupted for name in names]
@@ -350,7 +364,8 @@ class TrustStrategy(FedAvg):
             record["warning"] = step.warning
             log(WARNING, "aggregate_train: round %d: %s", t, step.warning)
         self.global_vector = step.vector
-        aggregated = self._aggregate_metrics(accepted, self.train_metrics_aggr_fn, "aggregate_train")
+        kept = [r for r in accepted if str(self._key(r)) not in step.quarantined]
+        aggregated = self._aggregate_metrics(kept, self.train_metrics_aggr_fn, "aggregate_train")
         trust = {f"trust/{name}": w for name, w in zip(names, step.weights, strict=True)}
         out = {**aggregated, **trust, "dropped": len(dropped), "quarantined": len(step.quarantined)}
         record["train_metrics"] = out
@@ -366,8 +381,14 @@ class TrustStrategy(FedAvg):
 
     def _aggregate_metrics(self, accepted: list[Reply], aggregate: MetricsAggregation, where: str) -> dict:
         """The replies' MetricRecords through Flower's aggregation function (``FedAvg``'s by default), on
-        the keys every reply has in one form; nothing when the counts sum to zero (nothing to weight by)."""
-        if sum(r.number(self.weighted_by_key) for r in accepted) <= 0:
+        the keys every reply has in one form; a reply holding a non-finite number is left out (one NaN loss
+        would make the round's NaN); nothing when the counts sum to zero (nothing to weight by)."""
+        finite = [r for r in accepted if _finite_metrics(r.metrics)]
+        if len(finite) < len(accepted):
+            left = [r.name for r in accepted if r not in finite]
+            log(WARNING, "%s: replies with a non-finite metric left out of the metrics: %s", where, left)
+        accepted = finite
+        if not accepted or sum(r.number(self.weighted_by_key) for r in accepted) <= 0:
             log(WARNING, "%s: every reply has %s = 0; no metrics to aggregate", where, self.weighted_by_key)
             return {}
         contents, left_out = shared_metrics(accepted)
@@ -396,6 +417,45 @@ class TrustStrategy(FedAvg):
         return MetricRecord(metrics)
 
 
+class ServerReference:
+    """``Round.reference`` of a Flower round (:class:`~fedtrust.aggregators.info.Reference`): an update's
+    loss on the strategy's benchmark split, and the server's own update (``server_update``, called at most
+    once a round, when a rule asks: FLTrust's g_0)."""
+
+    def __init__(self, strategy: TrustStrategy, t: int):
+        self.strategy, self.t, self.start = strategy, t, strategy.global_vector
+        self.size = 1 if strategy.benchmark is None else len(strategy.benchmark[1])
+        self._update: torch.Tensor | None = None
+
+    def __call__(self, update: torch.Tensor) -> float:
+        s = self.strategy
+        if s.model is None or s.benchmark is None:
+            raise RoundRefused("the strategy holds no benchmark split to score updates on (benchmark=)")
+        bx, by = s.benchmark
+        with torch.no_grad():
+            return float(s.model.loss(self.start + update, bx, by))
+
+    def update(self) -> torch.Tensor:
+        if self._update is None:
+            s = self.strategy
+            if s.server_update is None:
+                raise RoundRefused("the strategy trains no update of its own (server_update=)")
+            try:
+                trained = s.layout.flatten(s.server_update(s.layout.unflatten(self.start), self.t))
+            except MalformedReply as exc:
+                raise RoundRefused(
+                    f"server_update returned arrays that do not fit the model: {exc}"
+                ) from None
+            self._update = trained - self.start
+        return self._update
+
+
+def _finite_metrics(metrics: dict[str, Any]) -> bool:
+    values = [v for v in metrics.values() if isinstance(v, int | float) and not isinstance(v, bool)]
+    values += [x for v in metrics.values() if isinstance(v, list) for x in v if isinstance(x, int | float)]
+    return all(math.isfinite(v) for v in values)
+
+
 def _empty_record(t: int) -> dict[str, Any]:
     return {"round": t, "received": 0, "dropped": {}, "clients": [], "node_ids": [], "num_samples": [],
             "corrupted": [], "weights": [], "train_loss": None, "auroc": None, "quarantined": {}, "info": {},
@@ -408,7 +468,36 @@ def _options(rule: Any) -> dict[str, Any]:
 
 
 def _check_options(given: dict[str, Any]) -> None:
-    """FedAvg's options as it documents them, and fedtrust's, refused by name when out of range."""
+    """FedAvg's options as it documents them, and fedtrust's, refused by name when out of range or of the
+    wrong kind (before any node trains)."""
+    rule = given["rule"]
+    if not (isinstance(rule, str) or (callable(rule) and not isinstance(rule, type))):
+        raise ValueError(f"TrustStrategy: rule must be a rule name or a fedtrust rule object, got {rule!r} "
+                         "(FedAvg's options are keyword arguments here: fraction_train=...)")  # fmt: skip
+    if given["rule_options"] is not None and not isinstance(given["rule_options"], dict):
+        raise ValueError(
+            f"TrustStrategy: rule_options must be a dict of options, got {given['rule_options']!r}"
+        )
+    if given["rule_options"] and not isinstance(rule, str):
+        raise ValueError(
+            "TrustStrategy: rule_options go with a rule name; a rule object holds its own options"
+        )
+    for key in ("train_metrics_aggr_fn", "evaluate_metrics_aggr_fn", "server_update"):
+        if given[key] is not None and not callable(given[key]):
+            raise ValueError(f"TrustStrategy: {key} must be a function or None, got {given[key]!r}")
+    if not isinstance(given["initial_report"], bool):
+        raise ValueError(
+            f"TrustStrategy: initial_report must be True or False, got {given['initial_report']!r}"
+        )
+    if isinstance(given["corrupted"], str | bytes):
+        raise ValueError(f"TrustStrategy: corrupted must be a list of node names, got the string "
+                         f"{given['corrupted']!r}")  # fmt: skip
+    run_dir = given["run_dir"]
+    if run_dir is not None and not isinstance(run_dir, str | Path):
+        raise ValueError(f"TrustStrategy: run_dir must be a path, got {run_dir!r}")
+    if run_dir and not Path(run_dir).expanduser().is_absolute():
+        raise ValueError(f"TrustStrategy: run_dir must be an absolute path, got {str(run_dir)!r}: the "
+                         "ServerApp runs in the SuperLink's working directory, not flwr run's")  # fmt: skip
     for key in ("fraction_train", "fraction_evaluate"):
         value = given[key]
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
@@ -422,6 +511,7 @@ def _check_options(given: dict[str, Any]) -> None:
             raise ValueError(f"TrustStrategy: {key} must be a non-empty string, got {given[key]!r}")
     if given["identity"] not in IDENTITIES:
         raise ValueError(f"TrustStrategy: identity must be one of {IDENTITIES}, got {given['identity']!r}")
-    if not (isinstance(given["query_timeout"], int | float) and math.isfinite(given["query_timeout"])
+    timeout = given["query_timeout"]
+    if isinstance(timeout, bool) or not (isinstance(timeout, int | float) and math.isfinite(timeout)
             and given["query_timeout"] > 0):  # fmt: skip
         raise ValueError(f"TrustStrategy: query_timeout must be seconds > 0, got {given['query_timeout']!r}")

@@ -36,6 +36,8 @@ class FlatModel:
                     "average over num_batches_tracked, an integer count that is not federated); give it a "
                     "momentum, e.g. 0.1"
                 )
+        if task not in ("classification", "regression"):
+            raise ValueError(f"{name}: task must be 'classification' or 'regression', got {task!r}")
         self.module = module
         self.task = task
         self.name = name

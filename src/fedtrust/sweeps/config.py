@@ -197,6 +197,13 @@ def _check_components(cfg: ExperimentConfig, where: str) -> None:
         ),
     )
     guard("rule", lambda: build_rule(cfg.rule.name, **cfg.rule.options))  # "nnm+median", pre: [...]
+    reads = getattr(build_rule(cfg.rule.name, **cfg.rule.options), "reads_reference", ())
+    if reads and not cfg.data.benchmark:
+        raise ConfigError(
+            f"{where}rule: {cfg.rule.name} reads the server's benchmark split (Round.reference: "
+            f"{', '.join(reads)}), but data.benchmark is {cfg.data.benchmark!r}; set it to the rows (an int) "
+            "or the share (a float < 1) the server keeps clean"
+        )
     c = cfg.corruption
     corruption = lookup_corruption(c.name, where)
     if corruption is not None:
