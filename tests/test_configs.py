@@ -85,11 +85,30 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
         ),
         ({"corruption": {"name": "none", "std": 1}}, r"corruption: 'none' takes no options, got \['std'\]"),
         ([1, 2], r"a config must be a mapping of keys, got list"),
+        (
+            {"data": {"clients": 6}, "corruption": {"name": "sign_flip", "fraction": 0.05}},
+            r"corruption.fraction: 0.05 of 6 clients rounds to no corrupted client; give more than 0.0833",
+        ),
+        (
+            {"corruption": {"name": "label_flip", "fraction": 0.2, "lie": {"metric": "train_los"}}},
+            r"corruption.lie.metric: Input should be 'train_loss' \(got 'train_los'\)",
+        ),
     ],
 )
 def test_bad_configs_name_the_path_and_the_valid_choices(raw, message):
     with pytest.raises(ConfigError, match=message):
         validate(raw)
+
+
+def test_an_empty_config_or_sweep_list_is_refused_not_run_as_the_default(tmp_path):
+    from fedtrust.sweeps.config import load
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="empty.yaml is empty"):
+        load(empty)
+    with pytest.raises(ConfigError, match=r"sweep.seed: an empty list would make no runs"):
+        expand(validate({"name": "s", "sweep": {"seed": []}}))
 
 
 def test_sweep_is_the_cartesian_product_with_readable_labels():

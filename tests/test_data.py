@@ -36,7 +36,7 @@ def write_idx(path, array, gz):
 
 
 @pytest.mark.parametrize("gz", [False, True])
-def test_idx_loader_reads_mnist_format(tmp_path, gz):
+def test_idx_loader_reads_mnist_format(tmp_path, gz, monkeypatch):
     rng = np.random.default_rng(0)
     suffix = ".gz" if gz else ""
     images = rng.integers(0, 256, (12, 28, 28))
@@ -50,6 +50,10 @@ def test_idx_loader_reads_mnist_format(tmp_path, gz):
     np.testing.assert_allclose(d.x_train[3].numpy(), images[3].reshape(-1) / 255.0, rtol=1e-6)
     assert d.y_train.tolist() == labels.tolist() and d.num_classes == 10
     assert load_fashion_mnist(tmp_path).name == "fashion_mnist"
+    # a directory the config names is the only place looked in, whatever copy the system holds
+    monkeypatch.setattr("fedtrust.data.datasets.FASHION_MNIST_DIRS", (str(tmp_path),))
+    with pytest.raises(DatasetNotFound, match=r"Looked in: .*nowhere$"):
+        load_fashion_mnist(tmp_path / "nowhere")
 
 
 def test_missing_datasets_say_how_to_get_them(tmp_path, monkeypatch):

@@ -295,6 +295,26 @@ def test_a_run_from_another_fedtrust_version_is_refused(tmp_path, monkeypatch):
         run_experiment(config(train__rounds=1), tmp_path, progress=False)
 
 
+def test_a_run_computed_by_other_code_of_the_same_version_is_computed_again(tmp_path, monkeypatch):
+    """A finished run is skipped and an interrupted one resumed only by the code that computed it: the
+    version number alone cannot tell an edited source (a result of the old code would be printed as
+    fresh, or a run resumed half by one code and half by another)."""
+    import fedtrust.sweeps.runner as runner
+    from fedtrust.sweeps.runner import StaleRunsWarning
+
+    cfg = config(train__rounds=2, sweep={"seed": [0, 1]})
+    run_experiment(cfg, tmp_path, progress=False)
+    interrupted = RunStore(tmp_path / "t" / "seed=1")
+    interrupted.update_manifest(status="running")
+    assert [o.status for o in run_experiment(cfg, tmp_path, progress=False)] == ["skipped", "finished"]
+    monkeypatch.setattr(runner, "source_hash", lambda: "edited")
+    with pytest.warns(StaleRunsWarning, match=r"2 run\(s\) .* were computed by other fedtrust code"):
+        outcomes = run_experiment(cfg, tmp_path, progress=False)
+    assert [o.status for o in outcomes] == ["finished", "finished"]
+    assert RunStore(outcomes[0].directory).manifest()["versions"]["fedtrust_source"] == "edited"
+    assert [o.status for o in run_experiment(cfg, tmp_path, progress=False)] == ["skipped", "skipped"]
+
+
 def test_an_unreadable_manifest_fails_that_run_only(tmp_path):
     cfg = config(train__rounds=1, sweep={"seed": [0, 1]})
     run_experiment(cfg, tmp_path, progress=False)
@@ -339,6 +359,32 @@ def test_a_model_that_goes_non_finite_fails_the_run_which_stops_there(tmp_path):
     assert not store.checkpoint_path.exists()  # the round-2 checkpoint would hold the non-finite model
 
 
+def test_a_finished_run_counts_the_rounds_its_rule_could_not_aggregate(tmp_path):
+    from fedtrust.aggregators import RoundRefused
+
+    class RefusesTheFirst:
+        calls = 0
+
+        def __call__(self, round_):
+            self.calls += 1
+            if self.calls == 1:
+                raise RoundRefused("every client was quarantined")
+            return Aggregate(round_.updates.mean(0), torch.full((round_.n,), 1 / round_.n))
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    sim = build_simulation(config(train__rounds=3))
+    sim.rule = RefusesTheFirst()
+    store = RunStore(tmp_path / "run")
+    sim.run(store)
+    manifest = store.manifest()
+    assert manifest["status"] == "finished" and manifest["not_aggregated"] == 1
+
+
 def test_the_report_marks_failed_runs_instead_of_averaging_them(tmp_path):
     from fedtrust.report import write_report
     from fedtrust.report.results import Run, load_runs, table
@@ -354,6 +400,36 @@ def test_the_report_marks_failed_runs_instead_of_averaging_them(tmp_path):
     assert "## Failed runs" in text and "no round could be aggregated" in text
 
 
+def test_the_report_never_averages_runs_of_different_configs(tmp_path):
+    """Swept sections differing only in an option are two columns named by it; a leftover run of another
+    config in the same folder is a column of its own; classification and regression runs get a table
+    each (one 'accuracy' table held an RMSE before)."""
+    from fedtrust.report import write_report
+
+    sections = [{"name": "sign_flip", "fraction": 0.1}, {"name": "sign_flip", "fraction": 0.4}]
+    run_experiment(config(train__rounds=1, rule={"name": "mean"}, sweep={"corruption": sections}), tmp_path,
+                   progress=False)  # fmt: skip
+    text = write_report(tmp_path / "t").read_text()
+    assert "| rule | corruption=sign_flip(fraction=0.1) | corruption=sign_flip(fraction=0.4) |" in text
+    # two experiments in one folder, their swept settings named alike, their configs not
+    both = tmp_path / "both"
+    for name, fraction in (("p", 0.5), ("q", 0.0)):
+        cfg = config(name=name, train__rounds=1, rule={"name": "mean"}, corruption__fraction=fraction,
+                     sweep={"corruption.name": ["label_flip"]})  # fmt: skip
+        run_experiment(cfg, both, progress=False)
+    header = (
+        write_report(both).read_text().split("## Final test accuracy")[1].split("\n\n")[1].splitlines()[0]
+    )
+    assert header == "| rule | corruption=label_flip [p] | corruption=label_flip [q] |"
+    mixed = config(train__rounds=1, model={"name": "linear"},
+                   sweep={"data": [{"name": "digits", "clients": 4}, {"name": "boston", "clients": 4}]})  # fmt: skip
+    run_experiment(mixed, tmp_path / "mixed", progress=False)
+    text = write_report(tmp_path / "mixed" / "t").read_text()
+    accuracy = text.split("## Final test accuracy")[1].split("##")[0]
+    rmse = text.split("## Final test rmse")[1].split("##")[0]
+    assert "data=digits" in accuracy and "boston" not in accuracy and "data=boston" in rmse
+
+
 def test_the_report_leaves_out_an_unreadable_run_and_names_its_file(tmp_path):
     from fedtrust.report.results import load_runs
 
@@ -364,6 +440,10 @@ def test_the_report_leaves_out_an_unreadable_run_and_names_its_file(tmp_path):
     runs = load_runs(tmp_path / "t")
     assert [r.status for r in runs] == ["finished", "unreadable"]
     assert f"{rounds}, line 2 is not a JSON record" in runs[1].reason
+    from fedtrust.report import write_report
+
+    cell = write_report(tmp_path / "t").read_text().split("| centered_clipping | ")[1].split(" |")[0]
+    assert cell.endswith("(1/2 unfinished)")  # one seed's number, and the cell says so
 
 
 def test_manifest_records_identity_and_time(tmp_path):

@@ -115,18 +115,6 @@ def config(data: str, model: str, rule: str, attack: str, fraction: float, seed:
     }
 
 
-def source_hash() -> str:
-    """A hash of fedtrust's source files: a cached result is reused only by the code that computed it."""
-    import fedtrust
-
-    root = Path(fedtrust.__file__).parent
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")) + sorted(root.rglob("*.c")):
-        h.update(path.relative_to(root).as_posix().encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def key(cfg: dict, code: str) -> str:
     return hashlib.sha256((json.dumps(cfg, sort_keys=True) + code).encode()).hexdigest()[:20]
 
@@ -341,6 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
+    from fedtrust.sweeps.runner import source_hash  # the CLI's own: a cached run is this code's
+
     args.code = args.source or source_hash()
     if args.source and not args.cached_only:
         parser.error("--source names the code that computed cached runs: use it with --cached-only")

@@ -79,6 +79,8 @@ def _summary(outcomes, folder: Path) -> None:
         metric = next((k for k in ("accuracy", "rmse") if k in final), None)
         shown = f"{metric} {final[metric]:.4g} (round {final.get('round')})" if metric else "-"
         status = {"failed": "[red]failed[/red]"}.get(o.status, o.status)
+        if o.not_aggregated and o.status != "failed":
+            status += f" [yellow]({o.not_aggregated} rounds not aggregated)[/yellow]"
         seconds = "-" if o.seconds is None else f"{o.seconds:.1f} s"
         error = o.error if o.error is None or len(o.error) <= 200 else o.error[:199] + "…"
         table.add_row(o.label, status, error if o.status == "failed" else shown, seconds)
@@ -119,6 +121,8 @@ def run(
         raise _fail(f"{config} is a folder; give an experiment YAML file (e.g. {config}/<name>.yaml)")
     if out.exists() and not out.is_dir():
         raise _fail(f"--out {out} is a file; give a folder for the runs")
+    if report_dir is not None and report_dir.exists() and not report_dir.is_dir():
+        raise _fail(f"--report-dir {report_dir} is a file; give a folder for the report")
     overrides = [*set_, *([f"train.device={device}"] if device is not None else [])]
     try:
         cfg = load(config, overrides)
@@ -138,7 +142,12 @@ def run(
         from fedtrust.report import write_report
 
         target = None if report_dir is None else report_dir / cfg.name
-        typer.echo(f"wrote {write_report(out / cfg.name, target)}")
+        try:
+            typer.echo(f"wrote {write_report(out / cfg.name, target)}")
+        except OSError as exc:  # a report folder that cannot be written: the runs are kept
+            raise _fail(
+                f"the runs are in {out / cfg.name}, but the report could not be written: {exc}", 1
+            ) from None
     if counts["failed"]:
         raise _fail(f"{counts['failed']} of {len(outcomes)} runs failed (see the table)", code=1)
 
@@ -155,11 +164,13 @@ def report(
 
     if out is not None and out.exists() and not out.is_dir():
         raise _fail(f"--out {out} is a file; give a folder for the report")
-    runs = load_runs(directory)
     try:
+        runs = load_runs(directory)
         path = write_report(directory, out, runs)
-    except FileNotFoundError as exc:
+    except FileNotFoundError as exc:  # no such folder, or no runs in it
         raise _fail(str(exc)) from None
+    except OSError as exc:  # a report folder that cannot be written
+        raise _fail(f"the report could not be written: {exc}", 1) from None
     typer.echo(f"wrote {path}")
     left_out = [r for r in runs if r.status != "finished"]
     for r in left_out:

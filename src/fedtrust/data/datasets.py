@@ -143,11 +143,14 @@ def load_idx(directory: str | Path, name: str = "mnist", num_classes: int = 10) 
 
 
 def load_fashion_mnist(directory: str | Path | None = None) -> Dataset:
-    """Fashion-MNIST (70k 28x28 images, 10 classes) from Debian's dataset-fashion-mnist or ``directory``."""
-    candidates = [Path(directory)] if directory else []
-    if env := os.environ.get("FEDTRUST_FASHION_MNIST"):
-        candidates.append(Path(env))
-    candidates += [Path(p).expanduser() for p in FASHION_MNIST_DIRS]
+    """Fashion-MNIST (70k 28x28 images, 10 classes) from ``directory`` when given (only there: a run must
+    not silently read another copy than the one its config names), else FEDTRUST_FASHION_MNIST or Debian's
+    dataset-fashion-mnist."""
+    if directory:
+        candidates = [Path(directory).expanduser()]
+    else:
+        env = os.environ.get("FEDTRUST_FASHION_MNIST")
+        candidates = [Path(p).expanduser() for p in ([env] if env else []) + list(FASHION_MNIST_DIRS)]
     for candidate in candidates:
         if candidate.is_dir() and _find_idx(candidate, _IDX_FILES["x_train"]):
             return load_idx(candidate, "fashion_mnist")

@@ -16,11 +16,12 @@ def _cell(cell: Cell | None) -> str:
     """``mean ± sd`` over the finished runs' finite values, noting runs that failed or ended non-finite."""
     if cell is None:
         return "-"
-    notes = [f"{k}/{cell.count + cell.failed} {what}" for k, what in
-             ((cell.nonfinite, "non-finite"), (cell.failed, "failed")) if k]  # fmt: skip
+    total = cell.count + cell.failed + cell.unfinished
+    counted = ((cell.nonfinite, "non-finite"), (cell.failed, "failed"), (cell.unfinished, "unfinished"))
+    notes = [f"{k}/{total} {what}" for k, what in counted if k]
     finite = cell.count - cell.nonfinite
     if finite == 0:
-        return "failed" if cell.failed and not cell.nonfinite else ", ".join(notes)
+        return "failed" if cell.failed and not (cell.nonfinite or cell.unfinished) else ", ".join(notes)
     text = f"{cell.mean:.3f} ± {cell.sd:.3f}" if finite > 1 else f"{cell.mean:.3f}"
     return text + (f" ({', '.join(notes)})" if notes else "")
 
@@ -32,10 +33,17 @@ def _markdown_table(rules, settings, cells, first: str) -> list[str]:
     return lines
 
 
-def _other_metrics(runs: list[Run], main: str) -> list[str]:
+def _final_table(runs: list[Run], metric: str) -> list[str]:
+    """The final ``metric`` of the runs that score by it (classification: accuracy, regression: rmse)."""
+    mine = [r for r in runs if r.manifest and r.metric == metric]
+    better = " (higher is better)" if metric == "accuracy" else " (lower is better)"
+    return [f"## Final test {metric}{better}", "", *_markdown_table(*table(mine, Run.final), "rule"), ""]
+
+
+def _other_metrics(runs: list[Run], mains: list[str]) -> list[str]:
     """A table for every other final metric the runs report (loss, NLL, CRPS, coverage, ...)."""
     finished = [r for r in runs if r.status == "finished"]
-    keys = list(dict.fromkeys(k for r in finished for k in r.final_metrics() if k != main))
+    keys = list(dict.fromkeys(k for r in finished for k in r.final_metrics() if k not in mains))
     lines = []
     for key in keys:
         lines += [
@@ -131,14 +139,19 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
     out = Path(out) if out else directory
     out.mkdir(parents=True, exist_ok=True)
     done = [r for r in runs if r.status == "finished"]
-    metric = done[0].metric if done else "accuracy"
-    lines = [*_tables(directory.name, runs, metric), *_problems(runs, done), *_figures(done, metric, out)]
+    # runs on data of different kinds (accuracy, RMSE) get a table and figures of their own
+    metrics = list(dict.fromkeys(r.metric for r in runs if r.manifest)) or ["accuracy"]
+    lines = [*_tables(directory.name, runs, metrics), *_problems(runs, done)]
+    for metric in metrics:
+        mine = [r for r in done if r.metric == metric]
+        lines += _figures(mine, metric, out, suffix="" if len(metrics) == 1 else f"_{metric}")
+    lines += _trust(done, out)
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
 
 
-def _tables(name: str, runs: list[Run], metric: str) -> list[str]:
+def _tables(name: str, runs: list[Run], metrics: list[str]) -> list[str]:
     """The report's heading and its tables: the final metric, the other metrics, detection AUROC, the
     weight on corrupted clients, the rounds that did not converge, the votes sybils shared."""
     seeds = sorted({r.seed for r in runs if r.manifest})
@@ -153,11 +166,8 @@ def _tables(name: str, runs: list[Run], metric: str) -> list[str]:
         "averaged in, and never plotted."
         + (" Some rounds stopped at max_iter without converging (listed below)." if unconverged else ""),
         "",
-        f"## Final test {metric}" + (" (higher is better)" if metric == "accuracy" else " (lower is better)"),
-        "",
-        *_markdown_table(*table(runs, Run.final), "rule"),
-        "",
-        *_other_metrics(runs, metric),
+        *(line for metric in metrics for line in _final_table(runs, metric)),
+        *_other_metrics(runs, metrics),
         "## Detection: AUROC of trust against the hidden corrupted flags",
         "",
         "Per run, the mean over rounds of the probability that a corrupted client got less weight than an "
@@ -196,21 +206,25 @@ def _problems(runs: list[Run], done: list[Run]) -> list[str]:
             lines += [f"## {title}", "", *(f"- {r.directory.name}: {why[status](r)}" for r in listed), ""]
     skipped = [(r, r.errors()) for r in done if r.errors()]
     if skipped:
-        lines += ["## Rounds skipped because the rule raised", ""]
-        lines += [f"- {r.directory.name}: {n} rounds" for r, n in skipped] + [""]
+        lines += ["## Rounds not aggregated (the global model stayed; finished runs)", ""]
+        for r, n in skipped:
+            first = next(x["error"] for x in r.rounds if x.get("error"))
+            lines.append(f"- {r.directory.name}: {n} of {len(r.rounds)} rounds; the first: {first}")
+        lines.append("")
     return lines
 
 
-def _figures(done: list[Run], metric: str, out: Path) -> list[str]:
-    """Draw the report's figures into ``out`` (the final metric against each numeric sweep key,
-    calibration, the metric over rounds, trust heatmaps per setting) and return their sections."""
+def _figures(done: list[Run], metric: str, out: Path, suffix: str = "") -> list[str]:
+    """Draw the figures of the runs scored by ``metric`` into ``out`` (the final metric against each
+    numeric sweep key, calibration, the metric over rounds; ``suffix`` on the file names) and return their
+    sections."""
     lines = []
     for key in _numeric_sweeps(done):
-        png = sweep_curves(done, key, out / f"sweep_{slug(key)}.png")
+        png = sweep_curves(done, key, out / f"sweep_{slug(key)}{suffix}.png")
         lines += [f"## Final test {metric} against {key}", "", f"![{key}]({png.name})", ""]
     predictive = [r for r in done if r.predictions() is not None]
     if predictive:
-        png = calibration(predictive, out / "calibration.png")
+        png = calibration(predictive, out / f"calibration{suffix}.png")
         lines += [
             "## Calibration of the final predictive distributions",
             "",
@@ -219,13 +233,19 @@ def _figures(done: list[Run], metric: str, out: Path) -> list[str]:
         ]
     if not done:
         return lines
-    lines += [
+    return lines + [
         f"## Test {metric} over rounds",
         "",
-        f"![{metric}]({metric_curves(done, out / 'curves.png').name})",
+        f"![{metric}]({metric_curves(done, out / f'curves{suffix}.png').name})",
         "",
     ]
-    lines += ["## Trust over rounds", ""]
+
+
+def _trust(done: list[Run], out: Path) -> list[str]:
+    """Trust heatmaps, one per setting."""
+    if not done:
+        return []
+    lines = ["## Trust over rounds", ""]
     for setting in dict.fromkeys(r.setting for r in done):
         png = trust_heatmaps(
             [r for r in done if r.setting == setting], out / f"trust_{slug(setting)}.png", setting

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 import numpy as np
 
-from fedtrust.report.results import Run, is_replicate
+from fedtrust.report.results import Run, is_replicate, spec
 from fedtrust.report.style import COLUMN, PAGE, PALE, paper, rule_styles, save, wrap
 
 #: Trust heatmaps colour a weight relative to an equal share of its round; shares above this are drawn
@@ -220,10 +220,12 @@ def sweep_curves(runs: list[Run], path_key: str, path: Path) -> Path:
 
     def others(run):
         parts = [
-            f"{p}={v}" for p, v in run.manifest["swept"].items()
+            f"{p.removesuffix('.name')}={spec(v, run.shown.get(p, ())) if isinstance(v, dict) else v}"
+            for p, v in run.manifest["swept"].items()
             if p != path_key and not is_replicate(p) and p.split(".")[0] != "rule"
         ]  # fmt: skip
-        return ", ".join(parts) or run.manifest.get("experiment", "")
+        label = ", ".join(parts) or run.manifest.get("experiment", "")
+        return f"{label} [{run.tag}]" if run.tag else label
 
     panels = list(dict.fromkeys(others(r) for r in runs))
     rules = list(dict.fromkeys(line(r) for r in runs))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -15,12 +17,16 @@ from fedtrust.sim.store import RunStore
 @dataclass
 class Run:
     """One run read back from disk. ``problem`` says why its files cannot be trusted (then its status is
-    "unreadable" and its numbers are left out of every table and plot)."""
+    "unreadable" and its numbers are left out of every table and plot). ``tag`` tells its setting apart
+    from another one of the same name (:func:`load_runs` sets it)."""
 
     directory: Path
     manifest: dict[str, Any]
     rounds: list[dict[str, Any]] = field(repr=False)
     problem: str | None = None
+    tag: str = ""
+    #: swept section -> the options shown in its label (those that differ between the runs loaded with it)
+    shown: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
 
     @property
     def status(self) -> str:
@@ -55,10 +61,18 @@ class Run:
         for path, value in swept.items():
             if is_replicate(path) or path.split(".")[0] == "rule":
                 continue
-            if isinstance(value, dict):
-                value = value.get("name", value)
+            if isinstance(value, dict):  # a whole section: its name and the options that differ
+                value = spec(value, self.shown.get(path, ()))
             parts.append(f"{path.removesuffix('.name')}={value}")
-        return ", ".join(parts) or self.manifest.get("experiment", "run")
+        label = ", ".join(parts) or self.manifest.get("experiment", "run")
+        return f"{label} [{self.tag}]" if self.tag else label
+
+    @property
+    def identity(self) -> str:
+        """The run's config without the rule and the seeds: runs sharing it are replicates of one
+        setting, and only they are averaged together."""
+        config = {k: v for k, v in (self.manifest.get("config") or {}).items() if k not in ("rule", "name")}
+        return json.dumps(_without_seeds(config), sort_keys=True, default=str)
 
     @property
     def metric(self) -> str:
@@ -132,6 +146,65 @@ class Run:
         return [r["info"]["degenerate"] for r in self.rounds if (r.get("info") or {}).get("degenerate")]
 
 
+def spec(section: dict[str, Any], keys: tuple[str, ...] | None = None) -> str:
+    """A config section as one line, ``name(key=value, ...)`` (``keys``: only those options):
+    ``sign_flip(fraction=0.4)``."""
+    options = ", ".join(
+        f"{k}={spec(v) if isinstance(v, dict) else v}"
+        for k, v in section.items()
+        if k != "name" and (keys is None or k in keys)
+    )
+    name = str(section.get("name", ""))
+    return f"{name}({options})" if options and name else name or options
+
+
+def options_that_differ(runs: list[Run]) -> None:
+    """Set each run's ``shown``: per swept section, the options whose values differ between runs whose
+    sections share a name (the name alone tells the others apart)."""
+    sections: dict[str, dict[str, list[dict]]] = {}
+    for r in runs:
+        for path, value in r.manifest.get("swept", {}).items():
+            if isinstance(value, dict):
+                sections.setdefault(path, {}).setdefault(str(value.get("name")), []).append(value)
+    shown = {}
+    for path, by_name in sections.items():
+        differ = set()
+        for values in by_name.values():
+            for k in set().union(*values) - {"name"}:
+                if len({json.dumps(v.get(k), sort_keys=True, default=str) for v in values}) > 1:
+                    differ.add(k)
+        shown[path] = tuple(sorted(differ))
+    for r in runs:
+        r.shown = shown
+
+
+def _without_seeds(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_seeds(v) for k, v in value.items() if k != "seed"}
+    return value
+
+
+def tell_apart(runs: list[Run]) -> None:
+    """Tag runs whose settings share a name but not a config (two experiments in one folder, a leftover
+    run of another config), so no table averages them together: by experiment name where that tells
+    them apart, else by a short hash of the config."""
+    by_label: dict[str, dict[str, list[Run]]] = {}
+    for r in runs:
+        if r.manifest:
+            by_label.setdefault(r.setting, {}).setdefault(r.identity, []).append(r)
+    for configs in by_label.values():
+        if len(configs) < 2:
+            continue
+        names = {i: {m.manifest.get("experiment", "") for m in members} for i, members in configs.items()}
+        for identity, members in configs.items():
+            own = names[identity]
+            shared = any(own & other for i, other in names.items() if i != identity)
+            tag = next(iter(own)) if len(own) == 1 and not shared else ""
+            tag = tag or "config " + hashlib.sha1(identity.encode()).hexdigest()[:6]
+            for m in members:
+                m.tag = tag
+
+
 def is_replicate(path: str) -> bool:
     """Swept seeds (the run's, a dataset's) make replicates of one setting, not settings."""
     return path == "seed" or path.endswith(".seed")
@@ -159,6 +232,8 @@ def load_runs(directory: str | Path) -> list[Run]:
             problem = f"{store.rounds_path} has {len(rounds)} rounds but the run says it finished {expected}"
         runs.append(Run(path.parent, manifest, rounds, problem))
     runs.sort(key=lambda r: (r.manifest.get("experiment", ""), r.manifest.get("index", 0)))  # sweep order
+    options_that_differ(runs)
+    tell_apart(runs)
     return runs
 
 
@@ -172,13 +247,15 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
 
 class Cell(NamedTuple):
     """A table cell: mean and sd over the finished runs' finite values, how many values, how many of them
-    were not finite (a model whose metric is inf or NaN), and how many runs of the cell failed."""
+    were not finite (a model whose metric is inf or NaN), how many runs of the cell failed, and how many
+    did not finish (interrupted, or unreadable)."""
 
     mean: float
     sd: float
     count: int
     nonfinite: int
     failed: int
+    unfinished: int = 0
 
 
 def table(runs: list[Run], value) -> tuple[list[str], list[str], dict[tuple[str, str], Cell]]:
@@ -192,9 +269,9 @@ def table(runs: list[Run], value) -> tuple[list[str], list[str], dict[tuple[str,
             mine = [r for r in runs if r.manifest and r.rule == rule and r.setting == setting]
             vals = [v for v in (value(r) for r in mine if r.status == "finished") if v is not None]
             failed = sum(r.status == "failed" for r in mine)
-            if vals or failed:
+            unfinished = sum(r.status in ("running", "unreadable") for r in mine)
+            if vals or failed or unfinished:
                 m, s = mean_sd(vals)
-                cells[(rule, setting)] = Cell(
-                    m, s, len(vals), sum(not math.isfinite(v) for v in vals), failed
-                )
+                nonfinite = sum(not math.isfinite(v) for v in vals)
+                cells[(rule, setting)] = Cell(m, s, len(vals), nonfinite, failed, unfinished)
     return rules, settings, cells

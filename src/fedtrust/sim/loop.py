@@ -319,6 +319,7 @@ class Simulation:
                 error=self.failure,
                 finished=now(),
                 final=final_metrics(records),
+                not_aggregated=sum(r["error"] is not None for r in records),
                 seconds=(stored.get("seconds") or 0.0) + time.perf_counter() - began,
             )
         return records

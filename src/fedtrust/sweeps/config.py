@@ -25,7 +25,7 @@ import copy
 import itertools
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -93,7 +93,7 @@ class ModelConfig(_Component):
 
 class LieConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    metric: str = "train_loss"
+    metric: Literal["train_loss"] = Field("train_loss", description="the one metric simulated clients report")
     value: float = 0.0
 
 
@@ -205,6 +205,11 @@ def _check_components(cfg: ExperimentConfig, where: str) -> None:
             "or the share (a float < 1) the server keeps clean"
         )
     c = cfg.corruption
+    if c.fraction > 0 and round(c.fraction * cfg.data.clients) == 0:
+        raise ConfigError(
+            f"{where}corruption.fraction: {c.fraction} of {cfg.data.clients} clients rounds to no corrupted "
+            f"client; give more than {0.5 / cfg.data.clients:.3g}, or 0 for none"
+        )
     corruption = lookup_corruption(c.name, where)
     if corruption is not None:
         supplied = tuple(k for k in SUPPLIED if k in options_of(corruption))
@@ -249,9 +254,11 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Exper
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    if raw is None:  # an empty file would run the default experiment, which nobody asked for
+        raise ConfigError(f"{path} is empty; a config names at least its experiment (name: ...)")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -305,6 +312,8 @@ def expand(cfg: ExperimentConfig, where: str = "") -> list[tuple[str, Experiment
     base = cfg.model_dump(exclude={"sweep"}, exclude_unset=False)
     keys = list(cfg.sweep)
     for key in keys:
+        if not cfg.sweep[key]:
+            raise ConfigError(f"{where}sweep.{key}: an empty list would make no runs; give its values")
         parts = key.split("+")
         if len(parts) > 1:
             for n, value in enumerate(cfg.sweep[key]):

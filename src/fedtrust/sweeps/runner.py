@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
 import platform
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ class RunOutcome:
     final: dict | None = None
     error: str | None = None
     seconds: float | None = None
+    not_aggregated: int = 0  # rounds the rule could not aggregate (the global model stayed)
 
 
 class ConfigChanged(ValueError):
@@ -48,9 +51,27 @@ class ConfigChanged(ValueError):
     and the differing keys."""
 
 
+class StaleRunsWarning(UserWarning):
+    """Runs on disk were computed by other fedtrust code (the same version and config, another source):
+    they are computed again, not skipped or resumed."""
+
+
+@functools.cache
+def source_hash() -> str:
+    """A hash of fedtrust's source files (``*.py``, ``*.c``): a result on disk is reused, or a run
+    resumed, only by the code that computed it, whatever the version number says."""
+    root = Path(fedtrust.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")) + sorted(root.rglob("*.c")):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def versions() -> dict[str, str]:
     return {
         "fedtrust": fedtrust.__version__,
+        "fedtrust_source": source_hash(),
         "torch": torch.__version__,
         "numpy": np.__version__,
         "python": platform.python_version(),
@@ -150,7 +171,7 @@ def _preflight(runs, root: Path, force: bool) -> tuple[set[str], dict[str, str]]
     """Runs to start over (config changed or files unreadable, with ``force``) and runs that cannot go
     on (unreadable manifest, without ``force``: label -> why). Raises :class:`ConfigChanged` before
     anything runs when a run on disk computed something else and ``force`` is not set."""
-    redo, broken, changed = set(), {}, []
+    redo, broken, changed, stale = set(), {}, [], []
     for label, run_cfg in runs:
         store = RunStore(root / label)
         try:
@@ -165,11 +186,24 @@ def _preflight(runs, root: Path, force: bool) -> tuple[set[str], dict[str, str]]
         if diff:
             redo.add(label)
             changed.append(f"  {label}: " + "; ".join(diff))
+        elif (
+            manifest is not None and (manifest.get("versions") or {}).get("fedtrust_source") != source_hash()
+        ):
+            redo.add(label)
+            stale.append(label)
     if changed and not force:
         raise ConfigChanged(
             f"{len(changed)} run(s) in {root} were computed from another config, so they are neither "
             "skipped nor resumed (nothing was run):\n" + "\n".join(changed) + "\n"
             "Use --force to start those runs over, or write to another --out."
+        )
+    if stale:
+        warnings.warn(
+            f"{len(stale)} run(s) in {root} were computed by other fedtrust code (source "
+            f"{source_hash()} here); they are computed again, not skipped or resumed: {', '.join(stale[:5])}"
+            + (" ..." if len(stale) > 5 else ""),
+            StaleRunsWarning,
+            stacklevel=3,
         )
     return redo, broken
 
@@ -183,11 +217,12 @@ def run_experiment(
     ray: str | None = None,
 ) -> list[RunOutcome]:
     """Run every run of ``cfg``'s sweep under ``out/<cfg.name>/<label>``. A run is identified by what it
-    computes (the hash of its resolved config, and the fedtrust version): a finished run with the same
-    identity is skipped, an interrupted one resumes from its last good checkpoint, and one computed from
-    another config is refused (:class:`ConfigChanged`) unless ``force`` starts it over. Each run is
-    written under its directory's lock (:class:`~fedtrust.sim.store.RunLocked` when another process
-    holds it). A run that fails is recorded and the rest go on.
+    computes (the hash of its resolved config, the fedtrust version and :func:`source_hash`): a finished
+    run with the same identity is skipped, an interrupted one resumes from its last good checkpoint, one
+    computed from another config is refused (:class:`ConfigChanged`) unless ``force`` starts it over,
+    and one computed by other code of the same version is computed again (:class:`StaleRunsWarning`).
+    Each run is written under its directory's lock (:class:`~fedtrust.sim.store.RunLocked` when another
+    process holds it). A run that fails is recorded and the rest go on.
 
     ``jobs`` > 1 runs that many runs at once in processes of their own (each with its share of the
     CPU's threads); ``ray`` (a Ray cluster's address, or ``"auto"``) runs them as Ray tasks on an
@@ -305,7 +340,8 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
     if store.finished_rounds(rounds) is not None:
         manifest = store.manifest()
         bar.advance(rounds, label)
-        return RunOutcome(label, store.dir, "skipped", manifest.get("final"), seconds=manifest.get("seconds"))
+        return RunOutcome(label, store.dir, "skipped", manifest.get("final"), seconds=manifest.get("seconds"),
+                          not_aggregated=manifest.get("not_aggregated", 0))  # fmt: skip
     swept = {p: _at(run_cfg.model_dump(), p) for key in cfg.sweep for p in key.split("+")}
     identity = {
         "experiment": cfg.name,
@@ -328,7 +364,8 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
         return RunOutcome(label, store.dir, "failed", error=error)
     m = store.manifest() or {}
     status = "failed" if sim.failure else "finished"
-    return RunOutcome(label, store.dir, status, m.get("final"), sim.failure, m.get("seconds"))
+    return RunOutcome(label, store.dir, status, m.get("final"), sim.failure, m.get("seconds"),
+                      m.get("not_aggregated", 0))  # fmt: skip
 
 
 def _at(tree: dict, dotted: str) -> Any:
