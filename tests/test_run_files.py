@@ -315,6 +315,32 @@ def test_a_run_computed_by_other_code_of_the_same_version_is_computed_again(tmp_
     assert [o.status for o in run_experiment(cfg, tmp_path, progress=False)] == ["skipped", "skipped"]
 
 
+def test_a_run_computed_from_other_data_under_the_same_path_is_computed_again(tmp_path):
+    """A CSV relabelled in place: same config, same code, other data; the old result must not be
+    printed as this data's."""
+    import numpy as np
+
+    from fedtrust.sweeps.runner import StaleRunsWarning
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 3))
+    csv = tmp_path / "data.csv"
+
+    def write(labels):
+        rows = [",".join([*(f"{v:.4f}" for v in row), str(int(c))]) for row, c in zip(x, labels, strict=True)]
+        csv.write_text("a,b,c,y\n" + "\n".join(rows) + "\n")
+
+    write(x[:, 0] > 0)
+    cfg = runs.config({"name": "csv", "data": {"name": "csv", "path": str(csv), "target": "y", "clients": 3},
+                       "train": {"rounds": 2, "lr": 0.5}})  # fmt: skip
+    first = run_experiment(cfg, tmp_path / "out", progress=False)[0]
+    assert run_experiment(cfg, tmp_path / "out", progress=False)[0].status == "skipped"
+    write(x[:, 1] > 0)
+    with pytest.warns(StaleRunsWarning, match="was computed from other data"):
+        again = run_experiment(cfg, tmp_path / "out", progress=False)[0]
+    assert again.status == "finished" and again.final != first.final
+
+
 def test_an_unreadable_manifest_fails_that_run_only(tmp_path):
     cfg = config(train__rounds=1, sweep={"seed": [0, 1]})
     run_experiment(cfg, tmp_path, progress=False)

@@ -119,7 +119,8 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], fail: Callable[[str], E
     raise fail(f"malformed entry {node!r}")
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of named tensors: their names, dtypes, shapes and bytes."""
     h = hashlib.sha256()
     for key in sorted(tensors):
         t = tensors[key]
@@ -135,7 +136,7 @@ def save_state(path: str | Path, tree: Any) -> None:
 
     tensors: dict[str, torch.Tensor] = {}
     structure = json.dumps(_encode(tree, tensors, "state"), allow_nan=False)
-    metadata = {"format": FORMAT, "structure": structure, "sha256": _digest(tensors)}
+    metadata = {"format": FORMAT, "structure": structure, "sha256": digest(tensors)}
     atomic_write(path, save(tensors, metadata=metadata))
 
 
@@ -162,7 +163,7 @@ def load_state(path: str | Path, remedy: str = "") -> Any:
         raise fail(f"not a readable fedtrust state file ({exc})") from None
     if metadata.get("format") != FORMAT:
         raise fail(f"not a fedtrust state file (format {metadata.get('format')!r}, expected {FORMAT!r})")
-    if metadata.get("sha256") != _digest(tensors):
+    if metadata.get("sha256") != digest(tensors):
         raise fail("the tensor data does not match its checksum (the file was altered or damaged)")
     try:
         structure = json.loads(metadata.get("structure", ""))

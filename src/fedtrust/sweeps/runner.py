@@ -19,7 +19,7 @@ import torch
 
 import fedtrust
 from fedtrust.attacks import ATTACKS
-from fedtrust.checkpoint import CorruptFileError
+from fedtrust.checkpoint import CorruptFileError, digest
 from fedtrust.data import DATASETS
 from fedtrust.data.corruptions import DATA_CORRUPTIONS, data_corruption
 from fedtrust.data.partition import PARTITIONERS
@@ -83,12 +83,24 @@ class _DatasetCache:
 
     def __init__(self):
         self._cache: dict[str, Any] = {}
+        self._digests: dict[str, str] = {}
 
     def get(self, name: str, options: dict):
         key = repr((name, sorted(options.items())))
         if key not in self._cache:
             self._cache[key] = build("dataset", DATASETS, name, options)
         return self._cache[key]
+
+    def digest(self, name: str, options: dict) -> str:
+        """A hash of the dataset's contents: a run on disk came from these very data (a CSV relabelled, a
+        data folder swapped under the same path) only if its manifest holds the same."""
+        key = repr((name, sorted(options.items())))
+        if key not in self._digests:
+            d = self.get(name, options)
+            tensors = {"x_train": d.x_train, "y_train": d.y_train, "x_test": d.x_test, "y_test": d.y_test}
+            tensors.update({f"group{i}": g for i, g in enumerate(d.groups or ())})
+            self._digests[key] = digest(tensors)[:16]
+        return self._digests[key]
 
 
 def build_simulation(
@@ -337,6 +349,20 @@ def _run_task(task) -> tuple[int, RunOutcome]:
 
 
 def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds: int) -> RunOutcome:
+    try:
+        data = datasets.digest(run_cfg.data.name, run_cfg.data.options)
+    except Exception:  # noqa: BLE001 - data that cannot be read: the run below fails saying why
+        data = None
+    stored = store.manifest()
+    if data is not None and stored is not None and stored.get("data_digest") != data:
+        if stored.get("data_digest") is not None:
+            warnings.warn(
+                f"{store.dir} was computed from other data ({run_cfg.data.name}: digest "
+                f"{stored['data_digest']} -> {data}); it is computed again, not skipped or resumed",
+                StaleRunsWarning,
+                stacklevel=2,
+            )
+        store.clear()
     if store.finished_rounds(rounds) is not None:
         manifest = store.manifest()
         bar.advance(rounds, label)
@@ -352,6 +378,7 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
         "config": resolved(run_cfg),
         "config_hash": config_hash(run_cfg),
         "versions": versions(),
+        "data_digest": data,
     }
     bar.advance(len(store.read_rounds()[0]), label)
     try:
