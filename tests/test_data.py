@@ -258,3 +258,22 @@ def test_corrupting_a_fraction_of_samples():
 def test_label_corruptions_refuse_regression_targets():
     with pytest.raises(ValueError, match="regression task"):
         data_corruption("label_flip")(torch.zeros(3, 2), torch.zeros(3), None, G())
+
+
+def test_bad_loader_options_are_named_with_their_value(tmp_path):
+    from fedtrust.models import build_model
+
+    (tmp_path / "notes.json").write_text("not json")
+    for call, message in [
+        (lambda: load_digits(test_fraction=1.5), r"data: test_fraction must be <= 1.0, got 1.5"),
+        (lambda: load_digits(test_fraction=0), r"data: test_fraction must be > 0.0, got 0"),
+        (lambda: synthetic_linear(dim=-3), r"synthetic_linear: dim must be >= 1, got -3"),
+        (lambda: load_csv(5, target="y"), r"csv: path must be a file path, got 5"),
+        (
+            lambda: load_leaf(tmp_path / "notes.json", tmp_path / "notes.json"),
+            r"notes.json is not a LEAF file",
+        ),
+        (lambda: build_model("mlp", load_digits(), hidden="abc"), r"hidden must be a width or a list"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call()

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedtrust._checks import check_float, check_int
+
 
 class DatasetNotFound(FileNotFoundError):
     """A dataset whose files are not on this machine; the message says how to get them."""
@@ -61,6 +63,9 @@ class Dataset:
 def _split(n: int, test_fraction: float, seed: int, stratify: np.ndarray | None = None):
     from sklearn.model_selection import train_test_split
 
+    check_float("data: test_fraction", test_fraction, minimum=0.0, maximum=1.0, strict_min=True)
+    if test_fraction == 1.0:
+        raise ValueError("data: test_fraction must be < 1 (it would leave no training rows), got 1.0")
     idx = np.arange(n)
     return train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=stratify)
 
@@ -300,6 +305,9 @@ def synthetic_linear(
     party's copy of its rows; ``groups`` says which rows are whose. The test targets are noise-free.
     noise: per-party standard deviations; default evenly spread from 0.5 to 4.
     """
+    for field, value, least in (("parties", parties, 1), ("samples", samples, 1), ("dim", dim, 1),
+                                ("test_samples", test_samples, 1), ("seed", seed, 0)):  # fmt: skip
+        check_int(f"synthetic_linear: {field}", value, minimum=least)
     if noise is None:
         noise = np.linspace(0.5, 4.0, parties).tolist()
     if len(noise) != parties:
@@ -368,6 +376,8 @@ def load_csv(
     path: str | Path, target: str, task: str = "classification", test_fraction: float = 0.2, seed: int = 0
 ) -> Dataset:
     """A CSV with a header row: every numeric column but ``target`` is a feature (standardised)."""
+    if not isinstance(path, str | Path):
+        raise ValueError(f"csv: path must be a file path, got {path!r}")
     path = Path(path)
     if not path.exists():
         raise DatasetNotFound(f"CSV file {path} does not exist")
@@ -405,7 +415,10 @@ LEAF_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghi
 def _read_leaf(paths: list[Path]) -> dict[str, dict]:
     users: dict[str, dict] = {}
     for p in paths:
-        blob = json.loads(p.read_text())
+        try:
+            blob = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{p} is not a LEAF file: not JSON ({exc})") from None
         for key in ("users", "user_data"):
             if key not in blob:
                 raise ValueError(f"{p} is not a LEAF file: no {key!r} field")

@@ -29,6 +29,8 @@ def linear(dataset: Dataset) -> nn.Module:
 
 def mlp(dataset: Dataset, hidden: int | list[int] = 200) -> nn.Module:
     """Fully connected ReLU network with the given hidden widths."""
+    if isinstance(hidden, str | bytes):
+        raise ValueError(f"model mlp: hidden must be a width or a list of widths, got {hidden!r}")
     widths = [hidden] if isinstance(hidden, int) else list(hidden)
     if not widths:
         raise ValueError("model mlp: hidden needs at least one width")

@@ -283,7 +283,7 @@ def _set(tree: dict, dotted: str, value: Any, where: str) -> None:
         if child is None:
             child = node[key] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"{where}sweep.{dotted}: {key!r} is not a section")
+            raise ConfigError(f"{where}{dotted}: {key!r} is not a section")
         node = child
     node[keys[-1]] = copy.deepcopy(value)
 
@@ -333,7 +333,7 @@ def expand(cfg: ExperimentConfig, where: str = "") -> list[tuple[str, Experiment
                     raise ConfigError(
                         f"{where}sweep.{path}: values are names; sweep the section ({path[:-5]}) for dicts"
                     )
-                _set(tree, path, v, where)  # a dict value replaces the whole section
+                _set(tree, path, v, f"{where}sweep.")  # a dict value replaces the whole section
             labels += [
                 _label(p, v)
                 for p, v in zip(parts, values, strict=True)
