@@ -29,6 +29,10 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
         ),
         ({"train": {"lr": "fast"}}, r"train.lr: Input should be a valid number"),
         (
+            {"train": {"rounds": True}},
+            r"train.rounds: Value error, must be a number, not true or false \(got True\)",
+        ),
+        (
             {"rule": {"name": "fltrust"}},
             r"rule: fltrust reads the server's benchmark split \(Round.reference: update\), but data.benchmark is 0",
         ),

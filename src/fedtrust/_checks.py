@@ -8,6 +8,7 @@ from numbers import Integral, Real
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ValidationInfo, field_validator
 
 
 def check_int(field: str, value: Any, *, minimum: int | None = None) -> int:
@@ -92,3 +93,18 @@ def check_tol(field: str, value: Any) -> float | None:
 def resolve_tol(tol: float | None, dtype: torch.dtype) -> float:
     """``tol``, or by default (None) :func:`stopping_tol` of the data's dtype."""
     return stopping_tol(dtype) if tol is None else check_float("tol", tol, minimum=0.0)
+
+
+class Settings(BaseModel):
+    """Base of the config models: a number field refuses ``true``/``false`` (pydantic would read them
+    as 1 and 0, so ``rounds: true`` ran one round)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_not_bools(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and cls.model_fields[info.field_name].annotation in _NUMBERS:
+            raise ValueError("must be a number, not true or false")
+        return value
+
+
+_NUMBERS = (int, float, int | float)

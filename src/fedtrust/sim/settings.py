@@ -6,7 +6,9 @@ import re
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from fedtrust._checks import Settings
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?")
 
@@ -34,7 +36,7 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-class TrainSettings(BaseModel):
+class TrainSettings(Settings):
     """How the federation trains.
 
     mode: ``params`` — FedAvg-style: clients run local SGD from the global model and send the change

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fedtrust._checks import SEED_LIMIT
+from fedtrust._checks import SEED_LIMIT, Settings
 from fedtrust.attacks import ATTACKS
 from fedtrust.data import DATASETS
 from fedtrust.data.corruptions import DATA_CORRUPTIONS
@@ -54,7 +54,7 @@ class ConfigError(ValueError):
     """A config problem; the message names the path, the value and the valid choices."""
 
 
-class _Component(BaseModel):
+class _Component(Settings):
     """``name`` plus the component's own options, inline."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -91,7 +91,7 @@ class ModelConfig(_Component):
     name: str = "softmax"
 
 
-class LieConfig(BaseModel):
+class LieConfig(Settings):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     metric: Literal["train_loss"] = Field("train_loss", description="the one metric simulated clients report")
     value: float = 0.0
@@ -119,7 +119,7 @@ class RuleConfig(_Component):
     name: str = "fedavg"
 
 
-class ExperimentConfig(BaseModel):
+class ExperimentConfig(Settings):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = "experiment"
