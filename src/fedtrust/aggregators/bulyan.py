@@ -18,7 +18,9 @@ from fedtrust.aggregators.screening import FirstPass
 def recursive_krum(sq_dist: torch.Tensor, f: int, count: int) -> list[int]:
     """Select ``count`` points by applying Krum repeatedly to the points not yet selected
     (El Mhamdi et al. 2018, Algorithm 1, first phase). Krum on r remaining points scores each by its
-    r - f - 2 nearest neighbours (at least 1), so it stays defined for the last, smallest sets."""
+    r - f - 2 nearest neighbours (at least 1), so it stays defined for the last, smallest sets. The
+    (n, n) distances are read on the host: a selection per step would be a device sync each."""
+    sq_dist = sq_dist.cpu()
     remaining = list(range(sq_dist.shape[0]))
     chosen: list[int] = []
     for _ in range(count):
@@ -26,7 +28,7 @@ def recursive_krum(sq_dist: torch.Tensor, f: int, count: int) -> list[int]:
         if r == 1:
             chosen.append(remaining.pop())
             break
-        idx = torch.as_tensor(remaining, device=sq_dist.device)
+        idx = torch.as_tensor(remaining)
         _, order = krum_order(sq_dist[idx][:, idx], max(1, r - f - 2))
         chosen.append(remaining.pop(int(order[0])))
     return chosen

@@ -34,10 +34,12 @@ def optimal_bipartition(similarity: torch.Tensor) -> tuple[torch.Tensor, float]:
 
     That merge order is single linkage, so the split is the maximum spanning tree of the similarity
     graph with its weakest edge cut, and that edge's weight is the largest cross-cluster similarity.
-    Built by Prim's algorithm: one vectorised step per client. Returns a boolean mask of one side and
-    the cross-cluster maximum similarity.
+    Built by Prim's algorithm: one vectorised step per client, on the host (each step reads a scalar: a
+    device sync each). Returns a boolean mask of one side (on the similarity's device) and the
+    cross-cluster maximum similarity.
     """
-    n = similarity.shape[0]
+    n, where = similarity.shape[0], similarity.device
+    similarity = similarity.cpu()
     device = similarity.device
     in_tree = torch.zeros(n, dtype=torch.bool, device=device)
     in_tree[0] = True
@@ -61,7 +63,7 @@ def optimal_bipartition(similarity: torch.Tensor) -> tuple[torch.Tensor, float]:
         if torch.equal(grown, side):
             break
         side = grown
-    return side, edge_weight[cut]
+    return side.to(where), edge_weight[cut]
 
 
 class CFL(BaseRule):

@@ -22,12 +22,17 @@ import torch
 
 #: Bytes of the input per block, by what the block must fit.
 BUDGETS = {"stream": 1 << 24, "cached": 1 << 22, "select": 1 << 21}
+#: On a device other than the CPU a block is a few kernel launches, not a cache's worth of work: blocks
+#: sized for CPU caches would launch thousands of small kernels per pass (n = 100 x d = 1e7 float32 is
+#: 239 "stream" blocks), so there every budget is this many times larger (512 MiB "stream").
+DEVICE_SCALE = 32
 
 
 def column_width(x: torch.Tensor, budget: str) -> int:
     """Columns (entries of the last dimension) per block of ``x`` within the ``budget``'s bytes (a key of
-    :data:`BUDGETS`), at least one."""
-    return max(1, BUDGETS[budget] // max(1, x[..., :1].numel() * x.element_size()))
+    :data:`BUDGETS`, times :data:`DEVICE_SCALE` off the CPU), at least one."""
+    scale = 1 if x.device.type == "cpu" else DEVICE_SCALE
+    return max(1, BUDGETS[budget] * scale // max(1, x[..., :1].numel() * x.element_size()))
 
 
 def column_blocks(x: torch.Tensor, budget: str = "stream") -> list[slice]:

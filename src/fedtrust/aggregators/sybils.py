@@ -192,6 +192,8 @@ def near_duplicates(
 
     linked: dict[tuple[int, int], float] = {}
     for i, j in torch.nonzero(candidate).tolist():
+        if root(i) == root(j):  # already one group: k copies take k - 1 checks, not k (k - 1) / 2
+            continue
         exact = float(row_norms((x[i] - x[j])[None])[0]) ** 2  # by differences: exact copies give 0
         if exact <= max(float(tol[i, j]), float(floor[i, j])):
             linked[(i, j)] = exact

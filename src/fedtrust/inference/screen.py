@@ -47,6 +47,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedtrust.aggregators.chunks import column_blocks
 from fedtrust.aggregators.passes import weighted_sum
 
 #: The two-component fit must lower BIC by at least this much to split the round.
@@ -60,8 +61,11 @@ FOLLOWER_Z = 3.5
 
 def observed_spread(updates: torch.Tensor, consensus: torch.Tensor) -> torch.Tensor:
     """(n,) each update's mean squared deviation from ``consensus`` over the d coordinates, in float64 on
-    the updates' device (one read of the (n, d) matrix)."""
-    return (updates - consensus).square().mean(1, dtype=torch.float64)
+    the updates' device (one read of the (n, d) matrix, block by block: no (n, d) temporary)."""
+    total = torch.zeros(len(updates), dtype=torch.float64, device=updates.device)
+    for cols in column_blocks(updates):
+        total += (updates[:, cols] - consensus[cols]).square().sum(1, dtype=torch.float64)
+    return total / max(1, updates.shape[1])
 
 
 def spread_screen(spread: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -170,8 +170,11 @@ def mean_losses(
     pieces = zip(x.split(8192), y.split(8192), strict=True)
     per_sample = torch.cat([model.loss(at, xb, yb, reduction="none") for xb, yb in pieces])
     sizes = stacked.sizes.to(per_sample.device)
-    owner = torch.repeat_interleave(torch.arange(len(stacked), device=sizes.device), sizes)
-    totals = torch.zeros(len(stacked), dtype=per_sample.dtype, device=sizes.device).index_add_(
-        0, owner, per_sample
-    )
+    if per_sample.device.type == "cpu":
+        owner = torch.repeat_interleave(torch.arange(len(stacked)), sizes, output_size=len(per_sample))
+        totals = torch.zeros(len(stacked), dtype=per_sample.dtype).index_add_(0, owner, per_sample)
+    else:  # index_add_ adds with atomics there, in no fixed order: a scan and differences at the ends do
+        ends = torch.cumsum(torch.cat([sizes.new_zeros(1), sizes]), 0)
+        running = torch.cat([per_sample.new_zeros(1, dtype=torch.float64), per_sample.double().cumsum(0)])
+        totals = (running[ends[1:]] - running[ends[:-1]]).to(per_sample.dtype)
     return totals / sizes.clamp_min(1).to(per_sample.dtype)
