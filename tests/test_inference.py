@@ -118,6 +118,27 @@ def test_ivar_mle_detects_its_degenerate_solution_and_switches_to_the_flat_prior
     torch.testing.assert_close(ivar_vb(x, mask).noise, true, rtol=0.25, atol=0)
 
 
+@pytest.mark.parametrize("name", ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"])
+def test_a_lone_client_is_its_own_consensus_and_leaves_no_false_precision_behind(name):
+    """A round of one client (the others quarantined, one Flower node replying): its update is the
+    aggregate. Its residual is 0 by construction, which says nothing about its noise: IVAR-MLE took it for
+    a perfect source (NaN, round refused). The round after is then the one a fresh rule would give."""
+    from fedtrust import Round, rule
+
+    g = torch.Generator().manual_seed(0)
+    lone, three = torch.randn(1, 50, generator=g), torch.randn(3, 50, generator=g)
+    after, fresh = rule(name), rule(name)
+    out = after(Round(updates=lone, client_ids=["a"]))
+    if name != "ivar_vb":  # IVAR-VB's posterior mean shrinks towards its prior's 0
+        torch.testing.assert_close(out.vector, lone[0])
+    assert out.weights.tolist() == [1.0] and bool(torch.isfinite(out.vector).all())
+    if name == "ivar_mle":
+        torch.testing.assert_close(
+            after(Round(updates=three, client_ids=list("abc"))).weights,
+            fresh(Round(updates=three, client_ids=list("abc"))).weights,
+        )
+
+
 def test_ivar_mle_floor_scales_with_the_data():
     """The floor is relative: the same data at scale 1e-4 (gradients) is detected at the same iteration
     and gives the same weights."""

@@ -106,6 +106,8 @@ def ivar_mle(
         start_noise(t, init_noise, gram)
     )  # fmt: skip
     count = m.sum(0) + past.count
+    if sources == 1:
+        return _lone_source(t, past, count, tol)
     floor = None
     noise = first
     trace: list[float] = []
@@ -140,6 +142,27 @@ def ivar_mle(
         changes=list(changes),
         tol=tol,
         past=IvarPast(r.sum(0), m.sum(0)),
+    )
+
+
+def _lone_source(t, past, count, tol) -> InferenceResult:
+    """One source is its own consensus (weight 1 wherever it reports). Its residual is 0 by construction,
+    which says nothing about its noise: the noise is its window's estimate (NaN, unknown, without one),
+    and the round adds nothing to the window (``past.count`` 0: a zero residual counted would make the
+    source look precise later)."""
+    weights = t.m.to(torch.float64)
+    noise = torch.where(past.count > 0, past.total / past.count.clamp_min(1), math.nan)
+    ll = -0.5 * ((count * (LOG2PI + noise.log())).sum() + (past.total / noise).sum())
+    return InferenceResult(
+        estimator="ivar_mle",
+        consensus=weighted_sums(t, weights),
+        noise=noise,
+        weights=weights,
+        trace=[float(ll / count.sum().clamp_min(1))],
+        iterations=0,
+        converged=True,
+        tol=tol,
+        past=IvarPast.empty(1, t.x.device),
     )
 
 

@@ -220,7 +220,9 @@ class _WindowRule(BaseRule):
             raise RoundRefused(
                 f"{self.name}: the fit broke down on this round ({exc}){self._scale(task)}"
             ) from exc
-        if not all(bool(torch.isfinite(t).all()) for t in (res.consensus, res.noise, res.weights)):
+        if not all(bool(torch.isfinite(t).all()) for t in (res.consensus, res.weights)) or bool(
+            torch.isinf(res.noise).any()
+        ):  # a NaN noise is an unknown one (a lone source's), as in ``init_noise``
             raise RoundRefused(f"{self.name}: the fit is not finite on this round{self._scale(task)}")
         return res
 
@@ -352,9 +354,12 @@ class IvarMLE(_WindowRule):
         init_noise = groups.pool(self._known(ids, "noise", round.updates.device))
         res = self._fit(task, ivar_mle, max_iter=self.max_iter, tol=self.tol,
                         eps=self.eps, init_noise=init_noise, past=past)  # fmt: skip
-        self._history.append(dict(zip(ids, groups.expand(res.past.total).tolist(), strict=True)))
+        totals, counts = groups.expand(res.past.total).tolist(), groups.expand(res.past.count).tolist()
+        # a source the round says nothing about (a lone one: count 0, noise unknown) leaves no trace
+        self._history.append({i: x for i, x, c in zip(ids, totals, counts, strict=True) if c > 0})
         for i, noise in zip(ids, groups.expand(res.noise).tolist(), strict=True):
-            self._clients[i] = {"noise": noise}
+            if math.isfinite(noise):
+                self._clients[i] = {"noise": noise}
         return self._finish(round, _for_members(res, groups), self._share_info(round, groups))
 
 
@@ -485,7 +490,7 @@ class IcovMLE(_WindowRule):
                 round, _for_members(res, groups), {"fallback": fallback, **self._share_info(round, groups)}
             )
         self._history.append({"ids": list(ids), "gram": groups.expand(groups.expand(res.past.gram[0]).T).T})
-        v, noise = groups.expand(res.params["V"]), groups.expand(res.params["sigma2"])
+        v, noise = groups.expand(res.params["V"]), groups.expand(res.params["sigma2"]).tolist()  # one read
         for k, i in enumerate(ids):
             self._clients[i] = {"v": v[k].clone(), "noise": float(noise[k])}
         self._shared["sigma_u2"] = res.params["sigma_u2"]
@@ -594,6 +599,7 @@ class IcovVB(_WindowRule):
             }
         )
         v, psi, noise = (groups.expand(res.params[key]) for key in ("V", "Psi", "sigma2"))
+        noise = noise.tolist()  # one read, not one per client
         for k, i in enumerate(ids):
             self._clients[i] = {"v": v[k].clone(), "psi": psi[k].clone(), "noise": float(noise[k])}
         self._shared = {key: res.params[key] for key in ("sigma_y2", "sigma_u2", "sigma_v2")}
