@@ -38,6 +38,9 @@ class IvarPast:
         z = torch.zeros(sources, dtype=torch.float64, device=device)
         return IvarPast(z, z.clone())
 
+    def to(self, device) -> IvarPast:
+        return IvarPast(self.total.to(device), self.count.to(device), self.tau_total, self.tau_count)
+
 
 #: IVAR-MLE iterates by direct passes over the data from this many sources on; below, on the Gram.
 #: Measured (benchmarks/aggregation.py shapes, 2 threads): a direct pass costs 0.9-1.5 floors, the Gram
@@ -177,7 +180,7 @@ def _degenerate(t, gram, first, past, max_iter, tol, it, floor, update) -> Infer
         "solution (all trust on one source); switched to the flat-prior estimate (eq 7 plus the "
         "consensus' own variance)"
     )
-    fit = _em(t, gram, first, None, past, max_iter - it, tol)
+    fit = _em(t.m, t.shape[2], gram, first, None, past, max_iter - it, tol)
     lam, _, spread, noise, _, weights = fit.last.record
     return InferenceResult(
         estimator="ivar_mle",
@@ -217,40 +220,43 @@ def ivar_vb(
     of their fixed point (absolute, :func:`~fedtrust.inference.result.converged`; default
     :func:`~fedtrust._checks.stopping_tol` of the estimates' dtype), or after ``max_iter``. ``tau2``
     fixes the starting prior variance (default: fitted from the plain mean). Like :func:`ivar_mle` it
-    iterates on the Gram matrices: two passes over the data.
+    iterates on the Gram matrices: two passes over the data. The iterations run on the host (J x J
+    numbers; on a GPU each of their scalar reads would be a sync), the same code on every device; the
+    consensus is formed where the data are.
     """
     t = as_tasks(estimates, mask)
     tasks, sources, k = t.shape
-    m = t.m
+    device, host = t.x.device, torch.device("cpu")
     gram = TaskGram.of(t)
     tol = resolve_tol(tol, t.x.dtype)
-    past = past or IvarPast.empty(sources, t.x.device)
-    noise = start_noise(t, init_noise, gram)
+    noise = start_noise(t, init_noise, gram).to(host)
+    gram, m = gram.to(host), t.m.to(host)
+    past = (past or IvarPast.empty(sources)).to(host)
     if tau2 is None:
         tau2 = float(gram.sq_norm(m / m.sum(1, keepdim=True)).sum()) / (tasks * k) + float(noise.mean())
-    fit = _em(t, gram, noise, tau2, past, max_iter, tol)
+    fit = _em(m, k, gram, noise, tau2, past, max_iter, tol)
     lam, ysq, spread, noise, tau2, weights = fit.last.record
     return InferenceResult(
         estimator="ivar_vb",
-        consensus=weighted_sums(t, weights),
-        noise=noise,
-        weights=weights,
+        consensus=weighted_sums(t, weights.to(device)),
+        noise=noise.to(device),
+        weights=weights.to(device),
         trace=fit.trace,
         iterations=fit.iterations,
         converged=fit.converged(tol),
         changes=list(fit.changes),
         tol=tol,
-        params={"tau2": tau2, "lambda": lam},
-        past=IvarPast(spread, m.sum(0), float((lam + ysq).sum()), float(tasks)),
+        params={"tau2": tau2, "lambda": lam.to(device)},
+        past=IvarPast(spread, m.sum(0), float((lam + ysq).sum()), float(tasks)).to(device),
     )
 
 
-def _em(t, gram, noise, tau2: float | None, past: IvarPast, max_iter: int, tol: float):
+def _em(m, k: int, gram, noise, tau2: float | None, past: IvarPast, max_iter: int, tol: float):
     """IVAR-VB's updates (eqs 10-13) under SQUAREM (:mod:`~fedtrust.inference.accelerate`), on the state
-    (log sigma_j^2, log tau^2). ``tau2=None`` is the flat prior (1 / tau^2 = 0, never updated): the EM
-    for the likelihood with y integrated out, which IVAR-MLE switches to at its degenerate solution."""
-    tasks, _, k = t.shape
-    m = t.m
+    (log sigma_j^2, log tau^2), for the (I, J) observation mask ``m`` of tasks of ``k`` coordinates.
+    ``tau2=None`` is the flat prior (1 / tau^2 = 0, never updated): the EM for the likelihood with y
+    integrated out, which IVAR-MLE switches to at its degenerate solution."""
+    tasks = m.shape[0]
     count = m.sum(0) + past.count
     seen = count > 0
     tau_count = tasks + past.tau_count

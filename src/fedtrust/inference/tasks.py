@@ -125,6 +125,11 @@ class TaskGram:
         out = TaskGram(centred.to(f64).sum(0), cross[..., 0].to(f64).sum(0), mean_sq.to(f64).sum(0))
         return out
 
+    def to(self, device: torch.device | str) -> TaskGram:
+        """The same statistics on ``device``: (I, J, J) numbers, so iterations on them run on the host, where
+        their scalar reads are free (on a GPU each is a sync)."""
+        return TaskGram(self.centred.to(device), self.cross.to(device), self.mean_sq.to(device))
+
     def form(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """(I, a, b): P_i' X_i X_i' Q_i for coefficient matrices P (I, J, a) and Q (I, J, b)."""
         sp, sq = p.sum(1), q.sum(1)  # (I, a), (I, b)
