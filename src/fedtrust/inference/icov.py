@@ -374,6 +374,10 @@ class IcovVbPast:
     uterm: torch.Tensor
     k: int
 
+    def to(self, device) -> IcovVbPast:
+        fields = (self.mask, self.A, self.b, self.c, self.yterm, self.uterm)
+        return IcovVbPast(*(x.to(device) for x in fields), self.k)
+
     def cat(self, other: IcovVbPast) -> IcovVbPast:
         return IcovVbPast(
             *(
@@ -502,12 +506,21 @@ def icov_vb(
         list(range(t.shape[1])) if source_keys is None else list(source_keys), seed, init or {}
     )
     fit = squarem(sweep, state.pack(*state.fields), max_iter, tol)
-    (coef_u, v, psi, s2, sy2, su2, sv2), lam, phi_u, alpha, sigma, now = fit.last.record
+    device = t.x.device  # the fit ran on the host: its results go where the data are
+
+    def there(x):
+        return x.to(device) if isinstance(x, torch.Tensor | IcovVbPast) else x
+
+    (coef_u, v, psi, s2, sy2, su2, sv2), lam, phi_u, alpha, sigma, now = (
+        tuple(there(x) for x in fit.last.record[0]),
+        *(there(x) for x in fit.last.record[1:]),
+    )
+    weights = there(fit.last.weights)
     return InferenceResult(
         estimator="icov_vb",
-        consensus=weighted_sums(t, fit.last.weights),
+        consensus=weighted_sums(t, weights),
         noise=sigma.diagonal().clone(),
-        weights=fit.last.weights,
+        weights=weights,
         trace=fit.trace,
         iterations=fit.iterations,
         converged=fit.converged(tol),
@@ -536,14 +549,19 @@ class _VbSweep:
     ``sweep(packed state) -> Step``. Each block of the sweep is a method named for its equations."""
 
     def __init__(self, t, latent_dim: int, noise: str, ard: bool, past: IcovVbPast | None):
-        self.t, self.d, self.noise, self.ard, self.past = t, latent_dim, noise, ard, past
+        # After one pass over the data (the Gram statistics, IVAR's starting noise) the sweeps run on the
+        # host: (I, J, J) numbers, whose many scalar reads and small solves would each be a sync on a GPU.
+        host = torch.device("cpu")
+        gram = TaskGram.of(t)
+        self.start_noise = mean_noise(t, gram).to(host)
+        self.shape, self.d, self.noise, self.ard = t.shape, latent_dim, noise, ard
+        self.past = None if past is None else past.to(host)
         self.k = t.shape[2]
-        self.m = t.m
-        self.gram = TaskGram.of(t)
-        self.eye = torch.eye(latent_dim, dtype=torch.float64, device=t.x.device)
+        self.m, self.mask, self.gram = t.m.to(host), t.mask.to(host), gram.to(host)
+        self.eye = torch.eye(latent_dim, dtype=torch.float64)
         # minus alpha: x - ybar
-        self.to_residual = torch.eye(t.shape[1], dtype=torch.float64, device=t.x.device)[None]
-        self.seen = self.m.sum(0) + (0 if past is None else past.mask.to(torch.float64).sum(0))
+        self.to_residual = torch.eye(t.shape[1], dtype=torch.float64)[None]
+        self.seen = self.m.sum(0) + (0 if past is None else self.past.mask.to(torch.float64).sum(0))
         self.active = self.seen > 0
         self.n_obs = float(self.seen.sum()) * self.k
 
@@ -552,10 +570,10 @@ class _VbSweep:
         spread, the loadings seeded by source key. ybar_i and the rows of U_i stay combinations of task
         i's estimates: ybar_i = sum_j alpha_ij x_ij, U_i = sum_j x_ij coef_u_ij', so the iterations run on
         the Gram matrices (one pass over the data)."""
-        t, m, d = self.t, self.m, self.d
-        tasks, sources, k = t.shape
-        start = mean_noise(t, self.gram)
-        on = {"dtype": torch.float64, "device": t.x.device}
+        m, d = self.m, self.d
+        tasks, sources, k = self.shape
+        start = self.start_noise
+        on = {"dtype": torch.float64, "device": m.device}
         if "noise" in init:
             given = torch.as_tensor(init["noise"], **on).clone()
             start = torch.where(torch.isnan(given), start, given)
@@ -567,14 +585,14 @@ class _VbSweep:
         v = (
             torch.as_tensor(init["V"], **on).clone()
             if "V" in init
-            else latent_init(keys, d, seed, sv2.sqrt(), t.x.device)
+            else latent_init(keys, d, seed, sv2.sqrt(), m.device)
         )
         psi = (
             torch.as_tensor(init["Psi"], **on).clone()
             if "Psi" in init
             else torch.diag(sv2).expand(sources, d, d).clone()
         )
-        coef_u = torch.zeros(tasks, sources, d, dtype=torch.float64, device=t.x.device)
+        coef_u = torch.zeros(tasks, sources, d, dtype=torch.float64, device=m.device)
         self.state = _VbState(coef_u, v, psi, s2, sy2, su2, sv2)
         return self.state
 
@@ -590,7 +608,7 @@ class _VbSweep:
         energy = _icov_vb_free_energy(
             stats, sm, err, s2, sy2, su2, sv2, v, psi, self.active, lam, phi_u, self.k, self.d
         )
-        sigma, a = icov_vb_weights(v, psi, s2, su2, self.active, self.t.mask)
+        sigma, a = icov_vb_weights(v, psi, s2, su2, self.active, self.mask)
         fields = (coef_u, v, psi, s2, sy2, su2, sv2)
         return Step(self.state.pack(*fields), a, energy / self.n_obs, (fields, lam, phi_u, alpha, sigma, now))
 
@@ -614,7 +632,7 @@ class _VbSweep:
         c = (gram.residuals(alpha, m) + k * lam[:, None]) * m
         yterm = k * lam + gram.sq_norm(alpha)
         uterm = k * phi_u.diagonal(dim1=1, dim2=2).sum(1) + utu.diagonal(dim1=1, dim2=2).sum(1)
-        return lam, alpha, phi_u, coef_u, IcovVbPast(self.t.mask, big_a, b, c, yterm, uterm, k)
+        return lam, alpha, phi_u, coef_u, IcovVbPast(self.mask, big_a, b, c, yterm, uterm, k)
 
     def sources(self, stats, sm, v, psi, s2, sv2):
         """q(V): eqs 18-19, for the sources seen in this window (the others keep theirs)."""
