@@ -189,11 +189,27 @@ def window_shares(t: torch.Tensor, ordered: torch.Tensor, lo, hi) -> torch.Tenso
     """The torch tie rule, the CPU path's: (c, n) float64 slots of each entry of ``t`` (a row per column,
     ``ordered`` its sorted copy) in the window of ranks lo..hi-1 (ints, or (c, 1) per row). A value held by
     c entries of a row that the window keeps k times (0 < k <= c) gives each of them k / c slots, so
-    entries tied across a window edge share its slots evenly, whatever their order."""
-    below = torch.searchsorted(ordered, t, right=False)  # each entry's first rank among its equals
-    count = torch.searchsorted(ordered, t, right=True) - below
-    kept = torch.minimum(below + count, torch.as_tensor(hi)) - torch.maximum(below, torch.as_tensor(lo))
-    return kept.clamp_min(0).to(torch.float64) / count.clamp_min(1).to(torch.float64)
+    entries tied across a window edge share its slots evenly, whatever their order.
+
+    By comparisons with the window's edge values, not a search per entry: a value strictly between them
+    has all its equals inside (1 slot each); one equal to an edge value v gets k / c, k the window's ranks
+    holding v and c the row's entries equal to v (both edges one value: k = hi - lo)."""
+    if not isinstance(lo, torch.Tensor):  # one window for every row: slices, no index tensors to copy
+        lo, hi = int(lo), int(hi)
+        low, high, kept = ordered[:, lo : lo + 1], ordered[:, hi - 1 : hi], ordered[:, lo:hi]
+        inside = None
+    else:
+        low, high, kept = ordered.gather(1, lo), ordered.gather(1, hi - 1), ordered
+        ranks = torch.arange(t.shape[1], device=t.device)
+        inside = (ranks >= lo) & (ranks < hi)
+
+    def share(edge: torch.Tensor) -> torch.Tensor:  # (c, 1): k / c for the rows' entries equal to edge
+        held = ((kept == edge) if inside is None else (kept == edge) & inside).sum(1, keepdim=True)
+        return held.to(torch.float64) / (t == edge).sum(1, keepdim=True).clamp_min(1).to(torch.float64)
+
+    out = ((t > low) & (t < high)).to(torch.float64)
+    out += (t == low) * share(low)
+    return out + ((t == high) & (high != low)) * share(high)
 
 
 def rank_window_by_sort(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
