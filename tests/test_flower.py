@@ -145,7 +145,7 @@ def test_fltrust_trains_the_servers_own_update_on_its_root_data():
     with pytest.raises(ValueError, match="give server_update="):
         TrustStrategy(rule="fltrust")
     calls = []
-    train = server_training(model(), root, local_epochs=2, lr=0.5)
+    train = server_training(model(), root, {"local-epochs": 2, "learning-rate": 0.5})
 
     def server_update(arrays, t):
         calls.append(t)

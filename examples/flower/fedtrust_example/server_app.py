@@ -26,10 +26,7 @@ def main(grid: Grid, context: Context) -> None:
     # simulation: the partitions the run config corrupts are known, so the report can score detection
     corrupted = setting(cfg, "fedtrust-corrupted-partitions", str).replace(",", " ").split()
     # FLTrust's root-data update: the server trains on its benchmark rows as the nodes train
-    training = {"local_epochs": setting(cfg, "local-epochs", int, minimum=1),
-                "batch_size": setting(cfg, "batch-size", int, minimum=1),
-                "lr": setting(cfg, "learning-rate", float, minimum=0.0)}  # fmt: skip
-    root = server_training(make_model(dataset, model_name), benchmark, **training) if size else None
+    root = server_training(make_model(dataset, model_name), benchmark, cfg) if size else None
     strategy = TrustStrategy(
         rule=rule,
         rule_options=rule_options,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -40,6 +41,8 @@ CORRUPTION, ATTACK, LIE = "fedtrust-corruption", "fedtrust-attack", "fedtrust-li
 #: Run-config key listing the partition ids that take the run config's corruption keys (simulation,
 #: where node configs hold only ``partition-id``): e.g. ``fedtrust-corrupted-partitions = "0 3"``.
 CORRUPTED_PARTITIONS = "fedtrust-corrupted-partitions"
+#: Local training's run-config keys and their defaults (a node's keyword options override the defaults).
+TRAINING: dict[str, Any] = {"local-epochs": 1, "batch-size": 32, "learning-rate": 0.05, "weight-decay": 0.0}
 
 
 def node_role(context: Context) -> dict[str, str]:
@@ -60,10 +63,10 @@ def trust_client_app(
     data_fn: Callable[[Context], LocalData],
     *,
     task: str = "classification",
-    local_epochs: int = 1,
-    batch_size: int = 32,
-    lr: float = 0.05,
-    weight_decay: float = 0.0,
+    local_epochs: int = TRAINING["local-epochs"],
+    batch_size: int = TRAINING["batch-size"],
+    lr: float = TRAINING["learning-rate"],
+    weight_decay: float = TRAINING["weight-decay"],
     seed: int = 0,
     weighted_by_key: str = "num-examples",
     train_loss_key: str = "train_loss",
@@ -130,22 +133,19 @@ def trust_client_app(
 def server_training(
     model: torch.nn.Module | FlatModel,
     root_data: tuple[torch.Tensor, torch.Tensor],
+    run_config: Mapping[str, Any] | None = None,
     *,
     task: str = "classification",
-    local_epochs: int = 1,
-    batch_size: int = 32,
-    lr: float = 0.05,
-    weight_decay: float = 0.0,
     seed: int = 0,
 ) -> Callable[[ArrayRecord, int], ArrayRecord]:
     """A :class:`~fedtrust.flower.TrustStrategy` ``server_update`` (FLTrust's g_0, Cao et al. 2021): each
     round the server trains the global model on its root data ``(x, y)`` as :func:`trust_client_app`'s
-    nodes train (the same options, defaults and seeding), and the strategy takes the change as its own
-    update. Give it the options the nodes train with."""
+    nodes train: the same seeding, and the run config's ``local-epochs``, ``batch-size``,
+    ``learning-rate`` and ``weight-decay`` (give the ServerApp's ``context.run_config``; a key it lacks
+    takes :data:`TRAINING`'s value, the nodes' default). The strategy takes the change as its own update."""
     flat = model if isinstance(model, FlatModel) else FlatModel(model, task)
     x, y = root_data
-    run = {"local-epochs": local_epochs, "batch-size": batch_size, "learning-rate": lr,
-           "weight-decay": weight_decay}  # fmt: skip
+    run = {key: (run_config or {}).get(key, value) for key, value in TRAINING.items()}
 
     def update(arrays: ArrayRecord, server_round: int) -> ArrayRecord:
         layout = ArrayLayout(arrays)
