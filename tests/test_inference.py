@@ -139,6 +139,24 @@ def test_a_lone_client_is_its_own_consensus_and_leaves_no_false_precision_behind
         )
 
 
+def test_ivar_mle_with_two_sources_a_round_never_carries_a_collapse_into_a_non_finite_fit():
+    """Figure 1's participation setting at 40% (2 of 5 parties a round): the collapse onto one party
+    was carried by the window (a variance near 0 to start from, a floor set by it) until the fit went
+    non-finite; seed 0 refused 58 of 200 rounds, the first at round 33."""
+    from pathlib import Path
+
+    from fedtrust.sweeps.config import expand, load
+    from fedtrust.sweeps.runner import build_simulation
+
+    cfg = load(Path(__file__).parents[1] / "experiments/ivar_icov/synthetic_participation.yaml",
+               ["train.rounds=60"])  # fmt: skip
+    run = next(
+        c for _, c in expand(cfg) if c.rule.name == "ivar_mle" and c.train.fraction == 0.4 and c.seed == 0
+    )
+    records = build_simulation(run).run()
+    assert [r["round"] for r in records if r["error"]] == []
+
+
 def test_ivar_mle_floor_scales_with_the_data():
     """The floor is relative: the same data at scale 1e-4 (gradients) is detected at the same iteration
     and gives the same weights."""

@@ -85,9 +85,11 @@ def ivar_mle(
     one source, whose residual and variance then go to 0 (Neyman & Scott's incidental-parameter problem;
     with two sources eq 6-7's fixed point w = 1/2 is unstable, so the iteration collapses whenever too few
     sources share the best noise level, and missing entries make it likelier). The floor is scale-aware:
-    ``eps`` times the median over sources of their mean squared distance to the first consensus (the plain
-    mean's unless ``init_noise`` is given). A source whose variance reaches it is the degeneracy, not a
-    perfect source: the iteration restarts from its first step with eq 7 corrected by the consensus' own
+    ``eps`` times the upper median over sources of their mean squared distance to the first consensus (the
+    plain mean's unless ``init_noise`` is given; the upper one: with two sources the lower is the one a
+    collapse takes to 0). A source whose variance reaches it is the degeneracy, not a perfect source: the
+    iteration restarts from its first step (a starting variance at the floor, warm-started from an earlier
+    collapse, from the plain mean's distance) with eq 7 corrected by the consensus' own
     variance, sigma_j^2 = 1 / (K |I_j|) sum_i (||y_i - x_ij||^2 + K lambda_i), lambda_i = (sum_j 1 /
     sigma_j^2)^-1: the EM update of the likelihood with y integrated out under a flat prior (IVAR-VB's eq
     13 with tau^2 -> infinity), which is bounded (E||y_i - x_ij||^2 = sigma_j^2 - lambda_i, so eq 7 alone
@@ -122,7 +124,7 @@ def ivar_mle(
         r = gram.residuals(weights, m) / k
         update = (r.sum(0) + past.total) / count.clamp_min(1)
         if floor is None:  # the first consensus (the plain mean, or the given noise's): the data's scale
-            floor = eps * max(float(update[count > 0].median()), torch.finfo(torch.float64).tiny)
+            floor = eps * max(_upper_median(update[count > 0]), torch.finfo(torch.float64).tiny)
         noise = torch.where(count > 0, update.clamp_min(floor), noise)
         if it == 1:
             start = noise
@@ -146,6 +148,12 @@ def ivar_mle(
         tol=tol,
         past=IvarPast(r.sum(0), m.sum(0)),
     )
+
+
+def _upper_median(x: torch.Tensor) -> float:
+    """The upper median: with two sources the lower one is the smaller, which a collapse takes to 0 (and
+    with it the floor that detects the collapse)."""
+    return float(x.sort().values[len(x) // 2])
 
 
 def _lone_source(t, past, count, tol) -> InferenceResult:
@@ -175,11 +183,14 @@ def _degenerate(t, gram, first, past, max_iter, tol, it, floor, update) -> Infer
     seen = (t.m.sum(0) + past.count) > 0
     j = int(torch.argmin(torch.where(seen, update, math.inf)))
     reason = (
-        f"ivar_mle: source {j}'s noise variance reached the floor ({floor:.3g}: eps times the median "
+        f"ivar_mle: source {j}'s noise variance reached the floor ({floor:.3g}: eps times the upper median "
         f"squared distance to the first consensus) at iteration {it}, the joint likelihood's degenerate "
         "solution (all trust on one source); switched to the flat-prior estimate (eq 7 plus the "
         "consensus' own variance)"
     )
+    # a starting variance at the floor (warm-started from a collapse) would hold the EM there: the plain
+    # mean's distance instead
+    first = torch.where(first <= floor, mean_noise(t, gram), first)
     fit = _em(t.m, t.shape[2], gram, first, None, past, max_iter - it, tol)
     lam, _, spread, noise, _, weights = fit.last.record
     return InferenceResult(
