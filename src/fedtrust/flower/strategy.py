@@ -513,5 +513,5 @@ def _check_options(given: dict[str, Any]) -> None:
         raise ValueError(f"TrustStrategy: identity must be one of {IDENTITIES}, got {given['identity']!r}")
     timeout = given["query_timeout"]
     if isinstance(timeout, bool) or not (isinstance(timeout, int | float) and math.isfinite(timeout)
-            and given["query_timeout"] > 0):  # fmt: skip
-        raise ValueError(f"TrustStrategy: query_timeout must be seconds > 0, got {given['query_timeout']!r}")
+            and timeout > 0):  # fmt: skip
+        raise ValueError(f"TrustStrategy: query_timeout must be seconds > 0, got {timeout!r}")

@@ -19,7 +19,7 @@ import torch
 from fedtrust._checks import resolve_tol
 from fedtrust.inference.accelerate import Step, squarem
 from fedtrust.inference.result import InferenceResult, WeightChanges, converged
-from fedtrust.inference.tasks import TaskGram, as_tasks, mean_noise, weighted_sums
+from fedtrust.inference.tasks import TaskGram, as_tasks, mean_noise, moved, weighted_sums
 
 LOG2PI = math.log(2 * math.pi)
 
@@ -374,10 +374,6 @@ class IcovVbPast:
     uterm: torch.Tensor
     k: int
 
-    def to(self, device) -> IcovVbPast:
-        fields = (self.mask, self.A, self.b, self.c, self.yterm, self.uterm)
-        return IcovVbPast(*(x.to(device) for x in fields), self.k)
-
     def cat(self, other: IcovVbPast) -> IcovVbPast:
         return IcovVbPast(
             *(
@@ -507,15 +503,10 @@ def icov_vb(
     )
     fit = squarem(sweep, state.pack(*state.fields), max_iter, tol)
     device = t.x.device  # the fit ran on the host: its results go where the data are
-
-    def there(x):
-        return x.to(device) if isinstance(x, torch.Tensor | IcovVbPast) else x
-
-    (coef_u, v, psi, s2, sy2, su2, sv2), lam, phi_u, alpha, sigma, now = (
-        tuple(there(x) for x in fit.last.record[0]),
-        *(there(x) for x in fit.last.record[1:]),
-    )
-    weights = there(fit.last.weights)
+    state, lam, phi_u, alpha, sigma, now = fit.last.record
+    coef_u, v, psi, s2, sy2, su2, sv2 = (x.to(device) if isinstance(x, torch.Tensor) else x for x in state)
+    lam, phi_u, alpha, sigma, weights = (x.to(device) for x in (lam, phi_u, alpha, sigma, fit.last.weights))
+    now = moved(now, device)
     return InferenceResult(
         estimator="icov_vb",
         consensus=weighted_sums(t, weights),
@@ -555,9 +546,9 @@ class _VbSweep:
         gram = TaskGram.of(t)
         self.start_noise = mean_noise(t, gram).to(host)
         self.shape, self.d, self.noise, self.ard = t.shape, latent_dim, noise, ard
-        self.past = None if past is None else past.to(host)
+        self.past = None if past is None else moved(past, host)
         self.k = t.shape[2]
-        self.m, self.mask, self.gram = t.m.to(host), t.mask.to(host), gram.to(host)
+        self.m, self.mask, self.gram = t.m.to(host), t.mask.to(host), moved(gram, host)
         self.eye = torch.eye(latent_dim, dtype=torch.float64)
         # minus alpha: x - ybar
         self.to_residual = torch.eye(t.shape[1], dtype=torch.float64)[None]

@@ -16,7 +16,7 @@ import torch
 from fedtrust._checks import resolve_tol
 from fedtrust.inference.accelerate import Step, squarem
 from fedtrust.inference.result import InferenceResult, WeightChanges, converged
-from fedtrust.inference.tasks import TaskGram, TaskPasses, as_tasks, mean_noise, weighted_sums
+from fedtrust.inference.tasks import TaskGram, TaskPasses, as_tasks, mean_noise, moved, weighted_sums
 
 LOG2PI = math.log(2 * math.pi)
 
@@ -37,9 +37,6 @@ class IvarPast:
     def empty(sources: int, device=None) -> IvarPast:
         z = torch.zeros(sources, dtype=torch.float64, device=device)
         return IvarPast(z, z.clone())
-
-    def to(self, device) -> IvarPast:
-        return IvarPast(self.total.to(device), self.count.to(device), self.tau_total, self.tau_count)
 
 
 #: IVAR-MLE iterates by direct passes over the data from this many sources on; below, on the Gram.
@@ -190,7 +187,8 @@ def _degenerate(t, gram, first, past, max_iter, tol, it, floor, update) -> Infer
     )
     # a starting variance at the floor (warm-started from a collapse) would hold the EM there: the plain
     # mean's distance instead
-    first = torch.where(first <= floor, mean_noise(t, gram), first)
+    if bool((first <= floor).any()):  # (the plain mean's distances cost a pass on the direct path)
+        first = torch.where(first <= floor, mean_noise(t, gram), first)
     fit = _em(t.m, t.shape[2], gram, first, None, past, max_iter - it, tol)
     lam, _, spread, noise, _, weights = fit.last.record
     return InferenceResult(
@@ -241,8 +239,8 @@ def ivar_vb(
     gram = TaskGram.of(t)
     tol = resolve_tol(tol, t.x.dtype)
     noise = start_noise(t, init_noise, gram).to(host)
-    gram, m = gram.to(host), t.m.to(host)
-    past = (past or IvarPast.empty(sources)).to(host)
+    gram, m = moved(gram, host), t.m.to(host)
+    past = moved(past or IvarPast.empty(sources), host)
     if tau2 is None:
         tau2 = float(gram.sq_norm(m / m.sum(1, keepdim=True)).sum()) / (tasks * k) + float(noise.mean())
     fit = _em(m, k, gram, noise, tau2, past, max_iter, tol)
@@ -258,7 +256,7 @@ def ivar_vb(
         changes=list(fit.changes),
         tol=tol,
         params={"tau2": tau2, "lambda": lam.to(device)},
-        past=IvarPast(spread, m.sum(0), float((lam + ysq).sum()), float(tasks)).to(device),
+        past=moved(IvarPast(spread, m.sum(0), float((lam + ysq).sum()), float(tasks)), device),
     )
 
 

@@ -492,7 +492,7 @@ class IcovMLE(_WindowRule):
         self._history.append({"ids": list(ids), "gram": groups.expand(groups.expand(res.past.gram[0]).T).T})
         v, noise = groups.expand(res.params["V"]), groups.expand(res.params["sigma2"]).tolist()  # one read
         for k, i in enumerate(ids):
-            self._clients[i] = {"v": v[k].clone(), "noise": float(noise[k])}
+            self._clients[i] = {"v": v[k].clone(), "noise": noise[k]}
         self._shared["sigma_u2"] = res.params["sigma_u2"]
         return self._finish(
             round,
@@ -601,7 +601,7 @@ class IcovVB(_WindowRule):
         v, psi, noise = (groups.expand(res.params[key]) for key in ("V", "Psi", "sigma2"))
         noise = noise.tolist()  # one read, not one per client
         for k, i in enumerate(ids):
-            self._clients[i] = {"v": v[k].clone(), "psi": psi[k].clone(), "noise": float(noise[k])}
+            self._clients[i] = {"v": v[k].clone(), "psi": psi[k].clone(), "noise": noise[k]}
         self._shared = {key: res.params[key] for key in ("sigma_y2", "sigma_u2", "sigma_v2")}
         return self._finish(
             round, _for_members(res, groups), {**self._shared, **self._share_info(round, groups)}

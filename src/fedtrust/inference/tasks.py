@@ -3,7 +3,8 @@ estimators share. Missing entries are normal: sources skip tasks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -78,6 +79,17 @@ def as_tasks(estimates, mask=None) -> Tasks:
     return Tasks(x, mask)
 
 
+S = TypeVar("S")
+
+
+def moved(stats: S, device: torch.device | str) -> S:
+    """A dataclass of statistics (:class:`TaskGram`, an estimator's past) with its tensors on ``device``:
+    the estimators iterate on the host after their pass over the data, where the scalar reads of an
+    iteration are free (on a GPU each is a sync), and send their results back where the data are."""
+    return replace(stats, **{f.name: getattr(stats, f.name).to(device) for f in fields(stats)
+                             if isinstance(getattr(stats, f.name), torch.Tensor)})  # fmt: skip
+
+
 def weighted_sums(t: Tasks, w: torch.Tensor) -> torch.Tensor:
     """(I, K): sum_j w_ij x_ij (w is zero where missing)."""
     return torch.einsum("ijk,ij->ik", t.x, w.to(t.x.dtype))
@@ -124,11 +136,6 @@ class TaskGram:
         f64 = torch.float64
         out = TaskGram(centred.to(f64).sum(0), cross[..., 0].to(f64).sum(0), mean_sq.to(f64).sum(0))
         return out
-
-    def to(self, device: torch.device | str) -> TaskGram:
-        """The same statistics on ``device``: (I, J, J) numbers, so iterations on them run on the host, where
-        their scalar reads are free (on a GPU each is a sync)."""
-        return TaskGram(self.centred.to(device), self.cross.to(device), self.mean_sq.to(device))
 
     def form(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """(I, a, b): P_i' X_i X_i' Q_i for coefficient matrices P (I, J, a) and Q (I, J, b)."""

@@ -169,9 +169,9 @@ def _format(error: dict, where: str) -> str:
 def _check_components(cfg: ExperimentConfig, where: str) -> None:
     """Names and options of every component, checked against the registries (nothing is loaded)."""
 
-    def guard(path: str, fn) -> None:
+    def guard(path: str, fn):
         try:
-            fn()
+            return fn()
         except (UnknownNameError, ValueError, TypeError) as exc:
             raise ConfigError(f"{where}{path}: {exc}") from None
 
@@ -196,8 +196,8 @@ def _check_components(cfg: ExperimentConfig, where: str) -> None:
             fixed=("dataset",),
         ),
     )
-    guard("rule", lambda: build_rule(cfg.rule.name, **cfg.rule.options))  # "nnm+median", pre: [...]
-    reads = getattr(build_rule(cfg.rule.name, **cfg.rule.options), "reads_reference", ())
+    built = guard("rule", lambda: build_rule(cfg.rule.name, **cfg.rule.options))  # "nnm+median", pre: [...]
+    reads = getattr(built, "reads_reference", ())
     if reads and not cfg.data.benchmark:
         raise ConfigError(
             f"{where}rule: {cfg.rule.name} reads the server's benchmark split (Round.reference: "

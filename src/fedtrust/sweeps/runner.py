@@ -85,8 +85,12 @@ class _DatasetCache:
         self._cache: dict[str, Any] = {}
         self._digests: dict[str, str] = {}
 
+    @staticmethod
+    def _key(name: str, options: dict) -> str:
+        return repr((name, sorted(options.items())))
+
     def get(self, name: str, options: dict):
-        key = repr((name, sorted(options.items())))
+        key = self._key(name, options)
         if key not in self._cache:
             self._cache[key] = build("dataset", DATASETS, name, options)
         return self._cache[key]
@@ -94,7 +98,7 @@ class _DatasetCache:
     def digest(self, name: str, options: dict) -> str:
         """A hash of the dataset's contents: a run on disk came from these very data (a CSV relabelled, a
         data folder swapped under the same path) only if its manifest holds the same."""
-        key = repr((name, sorted(options.items())))
+        key = self._key(name, options)
         if key not in self._digests:
             d = self.get(name, options)
             tensors = {"x_train": d.x_train, "y_train": d.y_train, "x_test": d.x_test, "y_test": d.y_test}
@@ -363,8 +367,8 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
                 stacklevel=2,
             )
         store.clear()
-    if store.finished_rounds(rounds) is not None:
-        manifest = store.manifest()
+    if store.finished_rounds(rounds) is not None:  # not cleared above: ``stored`` is its manifest
+        manifest = stored
         bar.advance(rounds, label)
         return RunOutcome(label, store.dir, "skipped", manifest.get("final"), seconds=manifest.get("seconds"),
                           not_aggregated=manifest.get("not_aggregated", 0))  # fmt: skip
