@@ -277,3 +277,101 @@ def test_bad_loader_options_are_named_with_their_value(tmp_path):
     ]:
         with pytest.raises(ValueError, match=message):
             call()
+
+
+def _leaf(users: dict) -> str:
+    return json.dumps({"users": list(users), "num_samples": [len(v["y"]) for v in users.values()],
+                       "user_data": users})  # fmt: skip
+
+
+def test_malformed_files_are_refused_naming_the_file_and_the_value(tmp_path):
+    """Files that would load as wrong data (images without labels, NaN cells, characters outside LEAF's
+    alphabet, labels past the classes) or fail deep in a library are refused where they are read."""
+    rng = np.random.default_rng(0)
+    images, labels = rng.integers(0, 256, (6, 4, 4)), rng.integers(0, 10, 6)
+
+    def idx_folder(name, train_labels=labels, test_images=images[:2], gz=False):
+        folder = tmp_path / name
+        folder.mkdir()
+        for stem, array in [
+            ("train-images-idx3-ubyte", images),
+            ("train-labels-idx1-ubyte", train_labels),
+            ("t10k-images-idx3-ubyte", test_images),
+            ("t10k-labels-idx1-ubyte", labels[:2]),
+        ]:
+            write_idx(folder / stem, array, gz)  # fmt: skip
+        return folder
+
+    truncated = idx_folder("truncated")
+    (truncated / "train-images-idx3-ubyte").write_bytes(struct.pack(">BBBB", 0, 0, 8, 3) + b"\0\0")
+    garbled = tmp_path / "garbled"
+    garbled.mkdir()
+    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte"):  # fmt: skip
+        (garbled / f"{stem}.gz").write_bytes(b"garbage")
+
+    def csv(name, text):
+        (tmp_path / name).write_text(text)
+        return tmp_path / name
+
+    for call, message in [
+        (lambda: load_idx(idx_folder("counts", train_labels=labels[:5])), r"holds 6 images .* but .* 5 labels"),
+        (lambda: load_idx(idx_folder("label12", train_labels=labels + 10)), r"y_train\[0\] = 1\d is not a class"),
+        (lambda: load_idx(idx_folder("wider", test_images=rng.integers(0, 256, (2, 5, 5)))),
+         r"test rows have 25 features, training rows 16"),
+        (lambda: load_idx(truncated), r"train-images-idx3-ubyte: truncated IDX header"),
+        (lambda: load_idx(garbled), r"train-images-idx3-ubyte.gz is not a readable gzip file"),
+        (lambda: load_csv(csv("head.csv", "a,y\n"), target="y"), r"head.csv: a header and no data rows"),
+        (lambda: load_csv(csv("nan.csv", "a,y\n1,0\nnan,1\n3,0\n"), target="y"),
+         r"nan.csv: 1 cells are not finite numbers, the first at line 3, column 'a': 'nan'"),
+        (lambda: load_csv(csv("label.csv", "a,y\n1,0\n2,inf\n3,0\n"), target="y"), r"column 'y': 'inf'"),
+        (lambda: load_csv(csv("ragged.csv", "a,y\n1,0\n2\n"), target="y"), r"line 3 has 1 cells, the header 2"),
+        (lambda: load_csv(csv("one.csv", "a,y\n1,0\n"), target="y"), r"test_fraction 0.2 of 1 rows leaves"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            call()
+
+    good = {"u": {"x": [[0.1] * 4, [0.2] * 4], "y": [0, 1]}}
+    (tmp_path / "good.json").write_text(_leaf(good))
+    for name, users, message in [
+        ("short", {"u": {"x": [[0.1] * 4] * 3, "y": [0, 1]}}, r"user 'u' has 3 x rows and 2 y labels"),
+        ("nodata", {"u": {"y": [0]}}, r"user 'u' has no x and y lists"),
+        ("negative", {"u": {"x": [[0.1] * 4], "y": [-1]}}, r"y_train\[0\] = -1 is not a class"),
+        ("text", {"u": {"x": ["ab\u20acd"], "y": ["e"]}}, "'\u20ac' is not in LEAF's alphabet"),
+    ]:
+        (tmp_path / f"{name}.json").write_text(_leaf(users))
+        with pytest.raises(ValueError, match=message):
+            load_leaf(tmp_path / f"{name}.json", tmp_path / ("text.json" if name == "text" else "good.json"))
+    (tmp_path / "empty.json").write_text(_leaf({"u": {"x": [], "y": []}}))
+    with pytest.raises(ValueError, match=r"empty.json: no LEAF rows"):
+        load_leaf(tmp_path / "good.json", tmp_path / "empty.json")
+    # a user without rows is an empty group of the natural partition, not a crash
+    (tmp_path / "two.json").write_text(_leaf({"e": {"x": [], "y": []}, **good}))
+    assert [len(g) for g in load_leaf(tmp_path / "two.json", tmp_path / "good.json").groups] == [0, 2]
+
+
+def test_idx_images_stored_as_floats_are_not_rescaled(tmp_path):
+    images = np.linspace(0, 1, 6 * 16, dtype=">f4").reshape(6, 4, 4)
+    for stem, array, code in [("train-images-idx3-ubyte", images, 0x0D), ("t10k-images-idx3-ubyte", images, 0x0D),
+                              ("train-labels-idx1-ubyte", np.arange(6), 0x08),
+                              ("t10k-labels-idx1-ubyte", np.arange(6), 0x08)]:  # fmt: skip
+        dtype = ">f4" if code == 0x0D else np.uint8
+        header = struct.pack(">BBBB", 0, 0, code, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+        (tmp_path / stem).write_bytes(header + array.astype(dtype).tobytes())
+    d = load_idx(tmp_path)
+    np.testing.assert_allclose(d.x_train.numpy(), images.reshape(6, -1).astype(np.float32))
+
+
+def test_clients_without_rows_are_announced_and_both_executors_report_no_loss():
+    from fedtrust.models import build_model
+    from fedtrust.sim.batched import mean_losses
+
+    part = partitioner("dirichlet", alpha=0.01, min_size=0)
+    with pytest.warns(UserWarning, match=r"data.partition: \d+ of 10 clients hold no training rows"):
+        fed = build_federation(DIGITS, 10, part, seed=0)
+    empty = [k for k, (x, _) in enumerate(fed.data) if len(x) == 0]
+    assert empty
+    model = build_model("softmax", DIGITS)
+    losses = mean_losses(model, model.init(0), fed.data)
+    full = [k for k in range(10) if k not in empty]
+    assert torch.isnan(losses[empty]).all() and torch.isfinite(losses[full]).all()

@@ -11,8 +11,10 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+import math
 import os
 import struct
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -39,6 +41,42 @@ class Dataset:
     y_shift: float = 0.0  # regression targets are stored as (y - y_shift) / y_scale
     y_scale: float = 1.0
 
+    def __post_init__(self):
+        """Refuse data no model could train on, naming the dataset, the field and the value: features
+        that are not a finite float (rows, features) matrix, a row count that disagrees with its labels,
+        labels outside 0..num_classes-1, non-finite targets, train and test of different widths, an
+        ``input_shape`` that does not fold the features, groups that index no training row."""
+        where = f"data {self.name}"
+        for split in ("train", "test"):
+            x, y = getattr(self, f"x_{split}"), getattr(self, f"y_{split}")
+            if x.dim() != 2 or not x.is_floating_point():
+                raise ValueError(f"{where}: x_{split} must be a 2-D float (rows, features) tensor, got "
+                                 f"{x.dtype} of shape {tuple(x.shape)}")  # fmt: skip
+            if y.dim() != 1 or len(y) != len(x):
+                raise ValueError(f"{where}: y_{split} must hold one label per row of x_{split} ({len(x)}), "
+                                 f"got shape {tuple(y.shape)}")  # fmt: skip
+            _check_finite(f"{where}: x_{split}", x)
+            if self.num_classes is None:
+                _check_finite(f"{where}: y_{split} (regression targets)", y)
+            elif y.is_floating_point() or y.dtype == torch.bool:
+                raise ValueError(f"{where}: y_{split} must hold integer class labels, got {y.dtype}")
+            elif len(y) and not 0 <= int(y.min()) <= int(y.max()) < self.num_classes:
+                bad = int(torch.nonzero((y < 0) | (y >= self.num_classes))[0])
+                raise ValueError(f"{where}: y_{split}[{bad}] = {int(y[bad])} is not a class of "
+                                 f"0..{self.num_classes - 1}")  # fmt: skip
+        if len(self.x_train) == 0:
+            raise ValueError(f"{where}: no training rows")
+        if self.x_test.shape[1] != self.x_train.shape[1]:
+            raise ValueError(f"{where}: test rows have {self.x_test.shape[1]} features, training rows "
+                             f"{self.x_train.shape[1]}")  # fmt: skip
+        if math.prod(self.input_shape) != self.x_train.shape[1]:
+            raise ValueError(f"{where}: input_shape {self.input_shape} does not fold "
+                             f"{self.x_train.shape[1]} features")  # fmt: skip
+        for i, g in enumerate(self.groups or ()):
+            if len(g) and not 0 <= int(g.min()) <= int(g.max()) < len(self.x_train):
+                raise ValueError(f"{where}: group {i} indexes rows outside the {len(self.x_train)} training "
+                                 "rows")  # fmt: skip
+
     @property
     def num_features(self) -> int:
         return self.x_train.shape[1]
@@ -60,12 +98,23 @@ class Dataset:
                        y_shift=shift, y_scale=scale)  # fmt: skip
 
 
+def _check_finite(field: str, t: torch.Tensor) -> None:
+    bad = ~torch.isfinite(t)
+    if bad.any():
+        first = [int(i) for i in torch.nonzero(bad)[0]]
+        raise ValueError(f"{field} has {int(bad.sum())} non-finite values (the first at "
+                         f"{'row, column' if t.dim() == 2 else 'row'} {', '.join(map(str, first))}: "
+                         f"{float(t[tuple(first)])})")  # fmt: skip
+
+
 def _split(n: int, test_fraction: float, seed: int, stratify: np.ndarray | None = None):
     from sklearn.model_selection import train_test_split
 
     check_float("data: test_fraction", test_fraction, minimum=0.0, maximum=1.0, strict_min=True)
     if test_fraction == 1.0:
         raise ValueError("data: test_fraction must be < 1 (it would leave no training rows), got 1.0")
+    if math.ceil(test_fraction * n) >= n:  # scikit-learn's count of test rows
+        raise ValueError(f"data: test_fraction {test_fraction} of {n} rows leaves no training rows")
     idx = np.arange(n)
     return train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=stratify)
 
@@ -100,14 +149,19 @@ def read_idx(path: str | Path) -> np.ndarray:
     """Read one IDX file (optionally gzipped): the MNIST container format."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        data = fh.read()
+    try:
+        with opener(path, "rb") as fh:
+            data = fh.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise ValueError(f"{path} is not a readable gzip file ({exc})") from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0:
         raise ValueError(f"{path} is not an IDX file (bad magic number)")
     dtype = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}.get(data[2])
     if dtype is None:
         raise ValueError(f"{path}: unknown IDX element type 0x{data[2]:02x}")
     dims = data[3]
+    if len(data) < 4 + 4 * dims:
+        raise ValueError(f"{path}: truncated IDX header ({len(data)} bytes for {dims} dimensions)")
     shape = struct.unpack(f">{dims}I", data[4 : 4 + 4 * dims])
     array = np.frombuffer(data, dtype=dtype, offset=4 + 4 * dims)
     if array.size != int(np.prod(shape)):
@@ -123,18 +177,28 @@ def _find_idx(directory: Path, stem: str) -> Path | None:
 
 
 def load_idx(directory: str | Path, name: str = "mnist", num_classes: int = 10) -> Dataset:
-    """Any MNIST-format directory: train/t10k image and label IDX files (plain or .gz); pixels to [0, 1]."""
+    """Any MNIST-format directory: train/t10k image and label IDX files (plain or .gz); 8-bit pixels to
+    [0, 1] (images stored as other IDX types are read as they are)."""
     directory = Path(directory).expanduser()
     files = {key: _find_idx(directory, stem) for key, stem in _IDX_FILES.items()}
     missing = [_IDX_FILES[k] for k, v in files.items() if v is None]
     if missing:
         raise DatasetNotFound(f"{directory} lacks the IDX files {', '.join(missing)} (plain or .gz)")
     arrays = {key: read_idx(path) for key, path in files.items()}
+    for split in ("train", "test"):
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+            raise ValueError(f"{files[f'y_{split}']}: labels must be a 1-D integer IDX array, got {y.dtype} "
+                             f"of shape {y.shape}")  # fmt: skip
+        if x.ndim < 2 or len(x) != len(y):
+            raise ValueError(f"{files[f'x_{split}']} holds {len(x)} images (shape {x.shape}) but "
+                             f"{files[f'y_{split}']} {len(y)} labels")  # fmt: skip
     images = arrays["x_train"]
     shape = (1, *images.shape[1:])
 
-    def features(a):
-        return torch.as_tensor(a.reshape(len(a), -1).astype(np.float32) / 255.0)
+    def features(a):  # 8-bit pixels to [0, 1]; other element types are taken as they are
+        scale = 255.0 if a.dtype == np.uint8 else 1.0
+        return torch.as_tensor(a.reshape(len(a), -1).astype(np.float32) / scale)
 
     return Dataset(
         name,
@@ -385,14 +449,24 @@ def load_csv(
         rows = list(csv.reader(fh))
     if not rows:
         raise ValueError(f"{path} is empty")
-    header, body = rows[0], rows[1:]
+    header, body = rows[0], [r for r in rows[1:] if r]
+    if not body:
+        raise ValueError(f"{path}: a header and no data rows")
     if target not in header:
         raise ValueError(f"{path}: no column {target!r}; columns are {header}")
     t = header.index(target)
+    for line, row in enumerate(body, start=2):
+        if len(row) != len(header):
+            raise ValueError(f"{path}: line {line} has {len(row)} cells, the header {len(header)}")
     try:
         values = np.array([[float(v) for v in row] for row in body], dtype=np.float64)
     except ValueError as exc:
         raise ValueError(f"{path}: every cell must be a number ({exc})") from exc
+    bad = np.argwhere(~np.isfinite(values))
+    if len(bad):
+        (row, col), cell = bad[0], body[bad[0][0]][bad[0][1]]
+        raise ValueError(f"{path}: {len(bad)} cells are not finite numbers, the first at line {row + 2}, "
+                         f"column {header[col]!r}: {cell!r}")  # fmt: skip
     y, x = values[:, t], np.delete(values, t, axis=1)
     if task == "regression":
         tr, te = _split(len(y), test_fraction, seed)
@@ -419,11 +493,19 @@ def _read_leaf(paths: list[Path]) -> dict[str, dict]:
             blob = json.loads(p.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{p} is not a LEAF file: not JSON ({exc})") from None
-        for key in ("users", "user_data"):
-            if key not in blob:
-                raise ValueError(f"{p} is not a LEAF file: no {key!r} field")
+        for key, kind in (("users", list), ("user_data", dict)):
+            if not isinstance(blob, dict) or not isinstance(blob.get(key), kind):
+                raise ValueError(f"{p} is not a LEAF file: no {key!r} {kind.__name__}")
         for u in blob["users"]:
-            data = blob["user_data"][u]
+            data = blob["user_data"].get(u)
+            if (
+                not isinstance(data, dict)
+                or not isinstance(data.get("x"), list)
+                or not isinstance(data.get("y"), list)
+            ):
+                raise ValueError(f"{p}: user {u!r} has no x and y lists in user_data")
+            if len(data["x"]) != len(data["y"]):
+                raise ValueError(f"{p}: user {u!r} has {len(data['x'])} x rows and {len(data['y'])} y labels")
             entry = users.setdefault(u, {"x": [], "y": []})
             entry["x"].extend(data["x"])
             entry["y"].extend(data["y"])
@@ -448,29 +530,41 @@ def load_leaf(train: str | Path, test: str | Path, name: str | None = None) -> D
     windows) become LEAF_LETTERS indices, with the next character as the label.
     """
     tr_users, te_users = _read_leaf(_leaf_paths(Path(train))), _read_leaf(_leaf_paths(Path(test)))
-    if not tr_users:
-        raise ValueError(f"{train}: no users")
-    sample = next(iter(tr_users.values()))["x"][0]
+    for where, users in ((train, tr_users), (test, te_users)):
+        if not any(d["y"] for d in users.values()):
+            raise ValueError(f"{where}: no LEAF rows (no user has data)")
+    sample = next(d["x"][0] for d in tr_users.values() if d["x"])
     text = isinstance(sample, str)
+
+    def letters(s: str) -> list[int]:
+        codes = [LEAF_LETTERS.find(c) for c in s]
+        if -1 in codes:
+            raise ValueError(f"text {s!r}: {s[codes.index(-1)]!r} is not in LEAF's alphabet (LEAF_LETTERS)")
+        return codes
+
+    width = len(sample) if text else torch.tensor(sample).numel()
 
     def encode_x(rows):
         if text:
-            return torch.tensor([[LEAF_LETTERS.find(c) for c in s] for s in rows], dtype=torch.float32)
-        return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), -1)
+            return torch.tensor([letters(s) for s in rows], dtype=torch.float32).reshape(len(rows), width)
+        return torch.tensor(rows, dtype=torch.float32).reshape(len(rows), width)
 
     def encode_y(rows):
         if text:
-            return torch.tensor([LEAF_LETTERS.find(c) for c in rows], dtype=torch.long)
+            return torch.tensor([c for s in rows for c in letters(s)], dtype=torch.long)
         return torch.tensor(rows, dtype=torch.long)
 
     xs, ys, groups, start = [], [], [], 0
-    for data in tr_users.values():
-        xs.append(encode_x(data["x"]))
-        ys.append(encode_y(data["y"]))
-        groups.append(torch.arange(start, start + len(data["y"])))
-        start += len(data["y"])
-    x_te = torch.cat([encode_x(d["x"]) for d in te_users.values()])
-    y_te = torch.cat([encode_y(d["y"]) for d in te_users.values()])
+    try:
+        for data in tr_users.values():
+            xs.append(encode_x(data["x"]))
+            ys.append(encode_y(data["y"]))
+            groups.append(torch.arange(start, start + len(data["y"])))
+            start += len(data["y"])
+        x_te = torch.cat([encode_x(d["x"]) for d in te_users.values()])
+        y_te = torch.cat([encode_y(d["y"]) for d in te_users.values()])
+    except (TypeError, ValueError, RuntimeError) as exc:  # ragged rows, text in an image set, ...
+        raise ValueError(f"LEAF data in {train} / {test}: {exc}") from None
     y_tr = torch.cat(ys)
     if text:
         classes, shape = len(LEAF_LETTERS), (len(sample),)

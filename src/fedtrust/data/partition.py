@@ -35,9 +35,11 @@ class IID:
 
 
 class Dirichlet:
-    """Label skew: each class is spread over clients in proportions drawn from Dirichlet(alpha)
-    (Hsu, Qi, Brown 2019). Small alpha: each client sees few classes. Draws again until every client
-    holds at least ``min_size`` rows."""
+    """Label skew: each class's rows are spread over the clients in proportions p_k ~ Dirichlet_N(alpha)
+    (Yurochkin et al. 2019; the "label distribution skew" of Li et al.'s NIID-Bench, 2022, the split
+    most Byzantine-robustness studies use). Small alpha: each client sees few classes, and client sizes
+    vary too. (Hsu, Qi, Brown 2019 instead draw each client's class mix from Dirichlet(alpha p) at equal
+    sizes.) Draws again until every client holds at least ``min_size`` rows."""
 
     def __init__(self, alpha: float = 0.5, min_size: int = 1):
         self.alpha = check_float("partition dirichlet: alpha", alpha, minimum=0.0, strict_min=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -86,6 +87,14 @@ def build_federation(
     clients keep their shares however many adversaries join, as in "5 genuine parties + R adversaries")."""
     dataset, bench = hold_out_benchmark(dataset, benchmark, stream(seed, "benchmark"))
     parts = partition(dataset, clients, stream(seed, "partition"))
+    empty = [k for k, rows in enumerate(parts) if len(rows) == 0]
+    if empty:
+        warnings.warn(
+            f"data.partition: {len(empty)} of {clients} clients hold no training rows (positions "
+            f"{', '.join(map(str, empty[:10]))}{' ...' if len(empty) > 10 else ''}): each sends a zero "
+            "update and a NaN training loss every round",
+            stacklevel=2,
+        )
     n_bad = int(round(corrupted_fraction * clients))
     bad = torch.zeros(clients, dtype=torch.bool)
     bad[torch.randperm(clients, generator=stream(seed, "corrupted"))[:n_bad]] = True
