@@ -339,3 +339,84 @@ def test_arfl_with_counts_and_losses_near_the_float64_limit_is_finite():
     out = rule("arfl")(spread)  # differences overflow to inf: the limit of eq 9, all weight on the lower loss
     _weights_ok(out, 2)
     assert out.weights.tolist() == [0.0, 1.0]
+
+
+def test_arfl_weighs_an_update_it_cannot_measure_on_the_benchmark_at_zero_and_goes_on():
+    """An update whose loss on the trusted split is NaN (a huge but finite update through an MLP) gets
+    weight 0 that round; the rule's state stays finite, so later rounds and its checkpoint still work."""
+    arfl = rule("arfl", defence="benchmark")
+
+    def reference(v):
+        return math.nan if v.abs().max() > 1e4 else float(v.square().mean())
+
+    x = torch.randn(8, 20)
+    x[3] *= 1e6
+    out = arfl(Round(updates=x, metrics={"train_loss": torch.ones(8)}, reference=reference))
+    _weights_ok(out, 8)
+    assert out.weights[3] == 0 and "benchmark split is nan" in out.info["left_out"][3]
+    later = Round(updates=torch.randn(5, 20), client_ids=list("abcde"), metrics={"train_loss": torch.ones(5)},
+                  reference=reference)  # fmt: skip
+    _weights_ok(arfl(later), 5)
+    rule("arfl", defence="benchmark").load_state_dict(arfl.state_dict())
+
+
+@pytest.mark.parametrize("name", ["geometric_median", "flame", "ivar_mle", "icov_vb", "median"])
+def test_updates_that_require_grad_are_read_as_values(name):
+    x = torch.randn(8, 20, requires_grad=True)
+    out = rule(name)(Round(updates=x))
+    assert not out.vector.requires_grad and torch.isfinite(out.vector).all()
+    rows = Round(updates=[r for r in torch.randn(3, 4, requires_grad=True)])
+    assert rows.updates.shape == (3, 4)
+
+
+def test_inference_estimators_refuse_bad_options_and_data_naming_them():
+    from fedtrust.inference import icov_mle, icov_vb, ivar_mle, ivar_vb
+
+    e = torch.randn(6, 5, 3)
+    big = e.clone()
+    big[2, 1] = 1e30
+    for call, error, message in [
+        (lambda: ivar_mle(e, max_iter=0), ValueError, r"ivar_mle: max_iter must be >= 1, got 0"),
+        (lambda: ivar_vb(e, max_iter=True), TypeError, r"ivar_vb: max_iter must be an integer"),
+        (lambda: ivar_mle(e, eps=math.nan), ValueError, r"ivar_mle: eps must be finite"),
+        (lambda: ivar_vb(e, tau2=0.0), ValueError, r"ivar_vb: tau2 must be > 0"),
+        (lambda: ivar_mle(e, init_noise=torch.ones(7)), ValueError, r"one variance per source \(5\), got 7"),
+        (lambda: ivar_mle(e, init_noise=torch.zeros(5)), ValueError, r"init_noise\[0\] = 0.0"),
+        (lambda: ivar_vb(e.to(torch.complex64)), TypeError, r"real numbers, got dtype torch.complex64"),
+        (lambda: ivar_vb(big), ValueError, r"estimates\[2, 1\] reaches 1e\+30: its square overflows"),
+        (lambda: ivar_mle(e, mask=torch.full((6, 5), 0.5)), ValueError, r"mask must be bool"),
+        (lambda: icov_mle(e, latent_dim=0), ValueError, r"icov_mle: latent_dim must be >= 1"),
+        (lambda: icov_mle(e, steps=0), ValueError, r"icov_mle: steps must be >= 1"),
+        (lambda: icov_mle(e, init=[1]), TypeError, r"icov_mle: init must be a dict"),
+        (lambda: icov_vb(e, source_keys=[1, 2]), ValueError, r"source_keys needs one id per source \(5\)"),
+        (lambda: icov_vb(e, ard="yes"), TypeError, r"icov_vb: ard must be True or False"),
+    ]:
+        with pytest.raises(error, match=message):
+            call()
+    assert ivar_mle(e, mask=torch.ones(6, 5, dtype=torch.int64)).iterations >= 1  # 0/1 integers are a mask
+
+
+def test_one_line_specs_read_numbers_lists_and_refuse_what_is_ambiguous():
+    from fedtrust.registry import parse_spec
+
+    assert parse_spec("geometric_median(nu=1e-6)") == ("geometric_median", {"nu": 1e-6})
+    assert parse_spec("median(pre=[nnm, bucketing])") == ("median", {"pre": ["nnm", "bucketing"]})
+    assert parse_spec("a(s='x,y', b=2)") == ("a", {"s": "x,y", "b": 2})
+    for spec, message in [("multi_krum(m=)", "option 'm' has no value"), ("krum(f=1, f=2)", "'f' is given twice"),
+                          ("krum(f=[1)", "'f': '\\[1' is not a YAML value")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_spec(spec)
+
+
+def test_an_attack_context_refuses_a_mask_that_is_not_bool_and_mimic_survives_a_round_without_finite_rows():
+    from fedtrust.attacks import AttackContext, attack, sent_by
+
+    x = torch.randn(8, 4)
+    with pytest.raises(
+        TypeError, match=r"AttackContext.bad must be an \(8,\) bool tensor .* got torch.int64"
+    ):
+        AttackContext(x, torch.tensor([0, 1, 1, 0, 0, 0, 0, 0]), torch.zeros(4), "params", torch.Generator())
+    bad = torch.tensor([0, 1, 1, 0, 0, 0, 0, 0], dtype=torch.bool)
+    nan = torch.full((8, 4), math.nan)
+    sent = sent_by(attack("mimic"), AttackContext(nan, bad, torch.zeros(4), "params", torch.Generator()))
+    assert sent.shape == (2, 4)  # a copy of a NaN row: the server quarantines it; the round goes on

@@ -226,3 +226,17 @@ def test_a_component_on_one_line_reads_its_options_as_yaml():
         parse_spec("dba(parts=2")
     with pytest.raises(ValueError, match="option 'parts' is not of the form key=value"):
         parse_spec("dba(parts)")
+
+
+def test_exponents_keep_their_sign_in_run_labels():
+    cfg = validate({"name": "t", "corruption": {"name": "crash", "fraction": 0.2},
+                           "sweep": {"corruption.value": [1.0e20, 1.0e-20]}})  # fmt: skip
+    assert [label for label, _ in expand(cfg)] == ["corruption.value=1e20", "corruption.value=1e-20"]
+
+
+def test_numbers_in_exponent_form_are_numbers_in_configs_and_overrides(tmp_path):
+    """PyYAML reads 1e-6 as a string (YAML 1.1); fedtrust reads it as YAML 1.2 does, a number."""
+    path = tmp_path / "c.yaml"
+    path.write_text("name: t\nrule: {name: geometric_median, nu: 1e-6}\ntrain: {lr: 5E-1}\n")
+    cfg = load(path, ["rule.tol=1e-9"])
+    assert cfg.rule.options["nu"] == 1e-6 and cfg.rule.options["tol"] == 1e-9 and cfg.train.lr == 0.5

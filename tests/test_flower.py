@@ -212,9 +212,24 @@ def test_strategy_rejects_bad_setup():
         ({"run_dir": "runs/x"}, "run_dir must be an absolute path, got 'runs/x'"),
         ({"run_dir": 5}, "run_dir must be a path, got 5"),
         ({"model": model(), "task": "regresion"}, "task must be 'classification' or 'regression'"),
+        ({"corrupted": 5}, "corrupted must be a list of node names, got 5"),
+        ({"model": 3}, "model must be a torch.nn.Module"),
     ]:
         with pytest.raises(ValueError, match=message):
             TrustStrategy(**options)
+    # a benchmark split the model cannot score is refused here, not inside the model in round 1
+    x, y = DIGITS.x_test, DIGITS.y_test
+    for benchmark, message in [
+        ((x[:, :7], y), r"cannot score the benchmark split \(x of shape \(450, 7\)"),
+        ((x, y[:5]), r"one label per row of x, got x of shape \(450, 64\) and y of shape \(5,\)"),
+        ((x, y.float()), "benchmark labels must be integer classes, got torch.float32"),
+        (x, "benchmark must be a pair \\(x, y\\)"),
+        ((x.nan_to_num(0) * math.nan, y), "loss on the benchmark split is nan"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            TrustStrategy(rule="focus", model=model(), benchmark=benchmark)
+    strategy = TrustStrategy(rule="focus", model=model(), benchmark=(x.numpy(), y.numpy()))
+    assert isinstance(strategy.benchmark[0], torch.Tensor)
 
 
 def test_simulation_corrupts_the_partitions_the_run_config_lists():

@@ -477,6 +477,37 @@ def test_manifest_records_identity_and_time(tmp_path):
     manifest = json.loads((outcome.directory / "manifest.json").read_text())
     assert manifest["status"] == "finished" and manifest["seconds"] > 0 and outcome.seconds > 0
     assert manifest["config"]["train"]["rounds"] == 1
+    assert manifest["threads"] == torch.get_num_threads()  # BLAS's sums depend on it
+
+
+def test_a_killed_sessions_time_up_to_its_checkpoint_is_kept(tmp_path):
+    """The time a run took counts every session: a session killed after a checkpoint leaves its time in
+    the manifest, and the resumed session adds its own."""
+    sim = build_simulation(config())
+    store = RunStore(tmp_path / "run")
+
+    def killed(record):
+        if record["round"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        sim.run(store, on_round=killed)  # checkpoint at round 2, killed in round 3
+    spent = store.manifest()["seconds"]
+    assert spent > 0 and store.manifest()["status"] == "running"
+    build_simulation(config()).run(store)
+    assert store.manifest()["status"] == "finished" and store.manifest()["seconds"] > spent
+
+
+def test_a_round_where_every_client_was_quarantined_records_their_reasons(tmp_path):
+    sim = build_simulation(config(train__rounds=1, corruption={"name": "crash", "fraction": 1.0}))
+    record = sim.run(RunStore(tmp_path / "run"))[0]
+    assert "all 6 clients were quarantined" in record["error"]
+    assert len(record["quarantined"]) == 6 and all("non-finite" in r for r in record["quarantined"].values())
+
+
+def test_a_named_corruption_that_corrupts_no_client_is_flagged(tmp_path):
+    with pytest.warns(UserWarning, match=r"corruption backdoor: corruption.fraction is 0 .* in every run"):
+        run_experiment(config(train__rounds=1, corruption={"name": "backdoor"}), tmp_path, progress=False)
 
 
 def test_run_folder_names_need_no_shell_quoting(tmp_path):

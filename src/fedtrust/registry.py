@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from functools import cache
 from typing import Any
@@ -62,22 +63,72 @@ def check_options(kind: str, name: str, builder: Callable, options: Mapping[str,
         check_seed(f"{kind} {name!r}: seed", options["seed"])
 
 
-def parse_spec(text: str) -> tuple[str, dict[str, Any]]:
-    """A component written on one line, ``name`` or ``name(key=value, ...)`` (values read as YAML:
-    ``ivar_mle(weighting=screen)``, ``model_replacement(boost=10)``) -> (name, options): how a report
-    names a rule with options and a Flower node config names its corruption or attack."""
+def yaml_value(text: str) -> Any:
+    """YAML text read as data, with YAML 1.2's floats: ``1e-6`` and ``1E5`` are numbers (PyYAML, a YAML
+    1.1 reader, keeps them strings unless written ``1.0e-6``), as every config and spec is read."""
     import yaml
 
+    return yaml.load(text, Loader=_loader())  # noqa: S506 - a SafeLoader subclass
+
+
+@cache
+def _loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
+    return Loader
+
+
+def parse_spec(text: str) -> tuple[str, dict[str, Any]]:
+    """A component written on one line, ``name`` or ``name(key=value, ...)`` (values read as YAML:
+    ``ivar_mle(weighting=screen)``, ``model_replacement(boost=10)``, ``median(pre=[nnm, bucketing])``)
+    -> (name, options): how a report names a rule with options and a Flower node config names its
+    corruption or attack. Commas inside brackets or quotes belong to the value; an empty value or a key
+    given twice is refused."""
     name, paren, rest = str(text).strip().partition("(")
     if paren and not rest.rstrip().endswith(")"):
         raise ValueError(f"{text!r}: options go in parentheses, as in 'name(key=value, other=value)'")
     options: dict[str, Any] = {}
-    for item in filter(str.strip, rest.rstrip()[:-1].split(",") if paren else []):
+    for item in filter(str.strip, _top_level_split(rest.rstrip()[:-1]) if paren else []):
         key, eq, value = item.partition("=")
-        if not eq or not key.strip().isidentifier():
+        key = key.strip()
+        if not eq or not key.isidentifier():
             raise ValueError(f"{text!r}: option {item.strip()!r} is not of the form key=value")
-        options[key.strip()] = yaml.safe_load(value)
+        if not value.strip():
+            raise ValueError(f"{text!r}: option {key!r} has no value")
+        if key in options:
+            raise ValueError(f"{text!r}: option {key!r} is given twice")
+        try:
+            options[key] = yaml_value(value)
+        except Exception as exc:  # noqa: BLE001 - yaml's errors: name the option instead
+            raise ValueError(f"{text!r}: option {key!r}: {value.strip()!r} is not a YAML value") from exc
     return name.strip(), options
+
+
+def _top_level_split(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets, braces and quotes."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, c in enumerate(text):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "[{(":
+            depth += 1
+        elif c in "]})":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
 
 
 def build(kind: str, table: Mapping[str, Callable], name: str, options: Mapping[str, Any], **supplied) -> Any:

@@ -67,7 +67,8 @@ def server_step(
     try:
         out = rule(round)
     except RoundRefused as exc:
-        return StepResult(previous, None, f"{type(exc).__name__}: {exc}", [math.nan] * round.n)
+        quarantined = {str(k): v for k, v in getattr(exc, "quarantined", {}).items()}
+        return StepResult(previous, None, f"{type(exc).__name__}: {exc}", [math.nan] * round.n, quarantined)
     quarantined = {str(k): v for k, v in out.info.get("quarantined", {}).items()}
     weights = out.weights.tolist()
     info = json_info(out.info)

@@ -144,17 +144,32 @@ class ARFL(BaseRule):
         reported = defend(self.defence, round, round.metrics["train_loss"])
         ids = round.client_ids
         counts = round.num_samples.tolist()
-        new = {
-            cid: (float(loss), float(m)) for cid, loss, m in zip(ids, reported.tolist(), counts, strict=True)
+        # an update whose loss on the benchmark split is not finite cannot be weighed: weight 0 this
+        # round, and the rule forgets the client (it enters afresh with its next finite report)
+        unmeasured = {
+            cid: f"its update's loss on the benchmark split is {loss!r}"
+            for cid, loss in zip(ids, reported.tolist(), strict=True)
+            if not math.isfinite(loss)
         }
-        unseen = [cid for cid in ids if cid not in self._loss]
+        for cid in unmeasured:
+            self._loss.pop(cid, None)
+            self._samples.pop(cid, None)
+        new = {
+            cid: (float(loss), float(m))
+            for cid, loss, m in zip(ids, reported.tolist(), counts, strict=True)
+            if cid not in unmeasured
+        }
+        if not new:
+            raise NoValidUpdates(f"{self.name}: no client's loss could be measured ({unmeasured})")
+        unseen = [cid for cid in new if cid not in self._loss]
         if self.fresh or unseen:  # unseen clients enter with this round's report
-            for cid in ids if self.fresh else unseen:
+            for cid in new if self.fresh else unseen:
                 self._loss[cid], self._samples[cid] = new[cid]
         table, p, lam, alpha_all, losses, samples = self._alpha()
-        alpha = torch.tensor([table[cid] for cid in ids], dtype=torch.float64, device=round.updates.device)
+        alpha = torch.tensor([table[cid] if cid in new else 0.0 for cid in ids], dtype=torch.float64,
+                             device=round.updates.device)  # fmt: skip
         objective = arfl_objective(alpha_all, losses, samples, lam)
-        for cid in ids:  # the paper's order: this round's losses count from the next round on
+        for cid in new:  # the paper's order: this round's losses count from the next round on
             self._loss[cid], self._samples[cid] = new[cid]
         if not alpha.sum() > 0:
             raise NoValidUpdates(
@@ -162,6 +177,8 @@ class ARFL(BaseRule):
             )
         weights = (alpha / alpha.sum()).to(round.updates.dtype)
         info = {"p": p, "objective": objective, "lambda": lam, "clients": {"alpha": alpha, "loss": reported}}
+        if unmeasured:
+            info["left_out"] = unmeasured
         return Aggregate(weighted_sum(round.updates, weights), weights, info)
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ The built-in rules derive from :class:`~fedtrust.aggregators.base.BaseRule`, who
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -51,12 +52,22 @@ class RoundRefused(ValueError):
 
 
 class NoValidUpdates(RoundRefused):
-    """Raised when every client of a round was quarantined: there is nothing left to aggregate."""
+    """Raised when every client of a round was quarantined: there is nothing left to aggregate.
+    ``quarantined``: client id -> reason, where the front door quarantined them."""
+
+    def __init__(self, message: str, quarantined: dict | None = None):
+        super().__init__(message)
+        self.quarantined = dict(quarantined or {})
 
 
 def _as_tensor(field_name: str, value: Any, device: torch.device | None = None) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        t = value
+        t = value.detach()  # a server reads values; no rule differentiates through a round
+    elif isinstance(value, list | tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
+        try:
+            t = torch.stack([v.detach() for v in value])
+        except RuntimeError as exc:
+            raise ValueError(f"{field_name}: the rows must have one shape ({exc})") from None
     else:
         try:
             t = torch.as_tensor(np.asarray(value))
@@ -311,7 +322,7 @@ def resolve_f(f: int | float, n: int) -> int:
 
 def check_f(rule: str, f: Any) -> int | float:
     """Validate a rule's ``f`` option: a count (int >= 0) or a fraction of the clients (0 <= f < 0.5)."""
-    if isinstance(f, float):
+    if isinstance(f, numbers.Real) and not isinstance(f, numbers.Integral):  # numpy's float32 too
         return check_float(f"{rule}: f (as a fraction of the clients)", f, minimum=0.0, maximum=0.4999999)
     return check_int(f"{rule}: f", f, minimum=0)
 

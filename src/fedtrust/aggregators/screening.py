@@ -124,7 +124,7 @@ def call_rule(rule: Any, round: Round) -> Aggregate:
     quarantined = {round.client_ids[i]: reason for i, reason in sorted(bad.items())}
     if not keep:
         detail = "; ".join(f"{k!r}: {v}" for k, v in quarantined.items())
-        raise NoValidUpdates(f"{rule.name}: all {round.n} clients were quarantined ({detail})")
+        raise NoValidUpdates(f"{rule.name}: all {round.n} clients were quarantined ({detail})", quarantined)
     out = _aggregate(rule, round.select(keep, quarantined=quarantined), fused)
     return _expand(out, round.n, keep, quarantined)
 

@@ -53,6 +53,21 @@ class AttackContext:
     aggregate: Callable[[torch.Tensor], torch.Tensor] | None = None
     server_lr: float = 1.0  # the server's step on the aggregate (model replacement's eta)
 
+    def __post_init__(self):
+        x, bad = self.updates, self.bad
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+            got = f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"AttackContext.updates must be an (n, d) float tensor, got {got}")
+        if not isinstance(bad, torch.Tensor) or bad.dtype != torch.bool or bad.shape != (len(x),):
+            got = (
+                f"{bad.dtype} of shape {tuple(bad.shape)}"
+                if isinstance(bad, torch.Tensor)
+                else type(bad).__name__
+            )
+            raise TypeError(
+                f"AttackContext.bad must be an ({len(x)},) bool tensor (True: corrupted), got {got}"
+            )
+
     @property
     def benign(self) -> torch.Tensor:
         return self.updates[~self.bad]

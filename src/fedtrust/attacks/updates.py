@@ -173,9 +173,10 @@ class Mimic:
         """The position, among ``benign``, of the client to copy."""
         if self.target != "variance":
             return self.target % len(benign)
-        if len(benign) < 2:
+        g = gram(benign, "mean")
+        if len(benign) < 2 or not bool(torch.isfinite(g).all()):  # no finite benign update to rank
             return 0
-        _, vectors = torch.linalg.eigh(gram(benign, "mean"))
+        _, vectors = torch.linalg.eigh(g)
         return int(vectors[:, -1].abs().argmax())  # the top eigenvector's entries are the scores / sqrt(l)
 
     def __call__(self, ctx: AttackContext) -> torch.Tensor:

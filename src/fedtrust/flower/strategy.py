@@ -9,6 +9,7 @@ from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
@@ -114,10 +115,16 @@ class TrustStrategy(FedAvg):
             evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
         )
         self.rule = build_rule(rule, **(rule_options or {})) if isinstance(rule, str) else rule
+        if model is not None and not isinstance(model, FlatModel | torch.nn.Module):
+            raise ValueError(
+                f"TrustStrategy: model must be a torch.nn.Module (the nodes' model), got {model!r}"
+            )
         if model is not None and not isinstance(model, FlatModel):
             model = FlatModel(model, task)
         if benchmark is not None and model is None:
             raise ValueError("TrustStrategy: a benchmark split needs the model to score updates on it")
+        if benchmark is not None:
+            benchmark = _checked_benchmark(model, benchmark)
         reads = getattr(self.rule, "reads_reference", ())
         rule_name = getattr(self.rule, "name", type(self.rule).__name__)
         if "loss" in reads and benchmark is None:
@@ -467,6 +474,38 @@ def _options(rule: Any) -> dict[str, Any]:
     return dict(options()) if callable(options) else {}
 
 
+def _checked_benchmark(model: FlatModel, benchmark: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The benchmark split as (x, y) tensors the model scores, refused naming what is wrong (before any
+    node trains: a malformed split failed inside the model in the first round)."""
+    if not isinstance(benchmark, tuple | list) or len(benchmark) != 2:
+        raise ValueError(
+            f"TrustStrategy: benchmark must be a pair (x, y) of arrays, got {type(benchmark).__name__}"
+        )
+    try:
+        x, y = (torch.as_tensor(np.asarray(b) if not isinstance(b, torch.Tensor) else b) for b in benchmark)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"TrustStrategy: benchmark (x, y) must be arrays ({exc})") from None
+    if x.dim() < 1 or y.dim() < 1 or len(x) != len(y) or len(x) == 0:
+        raise ValueError(f"TrustStrategy: benchmark needs one label per row of x, got x of shape "
+                         f"{tuple(x.shape)} and y of shape {tuple(y.shape)}")  # fmt: skip
+    if model.task == "classification" and (y.is_floating_point() or y.dtype == torch.bool):
+        raise ValueError(f"TrustStrategy: benchmark labels must be integer classes, got {y.dtype}")
+    x = x.float() if not x.is_floating_point() else x
+    try:
+        with torch.no_grad():
+            state = model.module.state_dict()
+            vector = torch.cat([state[k].detach().reshape(-1) for k in model.names])
+            loss = float(model.loss(vector, x, y))
+    except (RuntimeError, IndexError, ValueError) as exc:
+        raise ValueError(f"TrustStrategy: the model cannot score the benchmark split (x of shape "
+                         f"{tuple(x.shape)}, y {tuple(y.shape)}): {exc}") from None  # fmt: skip
+    if not math.isfinite(loss):
+        raise ValueError(
+            f"TrustStrategy: the model's loss on the benchmark split is {loss} (non-finite data?)"
+        )
+    return x, y
+
+
 def _check_options(given: dict[str, Any]) -> None:
     """FedAvg's options as it documents them, and fedtrust's, refused by name when out of range or of the
     wrong kind (before any node trains)."""
@@ -489,6 +528,8 @@ def _check_options(given: dict[str, Any]) -> None:
         raise ValueError(
             f"TrustStrategy: initial_report must be True or False, got {given['initial_report']!r}"
         )
+    if not isinstance(given["corrupted"], Iterable):
+        raise ValueError(f"TrustStrategy: corrupted must be a list of node names, got {given['corrupted']!r}")
     if isinstance(given["corrupted"], str | bytes):
         raise ValueError(f"TrustStrategy: corrupted must be a list of node names, got the string "
                          f"{given['corrupted']!r}")  # fmt: skip

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedtrust._checks import resolve_tol
+from fedtrust._checks import check_bool, check_int, resolve_tol
 from fedtrust.inference.accelerate import Step, squarem
 from fedtrust.inference.result import InferenceResult, WeightChanges, converged
 from fedtrust.inference.tasks import TaskGram, as_tasks, mean_noise, moved, weighted_sums
@@ -211,6 +211,22 @@ def icov_loglik(
     return 0.5 * (-k * logdet - k * q.log() - quad).sum(), g
 
 
+def _check_fit(name: str, latent_dim, max_iter, seed, init, **counts) -> None:
+    """The options every ICOV fit takes, refused by name before any work."""
+    for field, value in {"latent_dim": latent_dim, "max_iter": max_iter, **counts}.items():
+        check_int(f"{name}: {field}", value, minimum=1)
+    check_int(f"{name}: seed", seed)
+    if init is not None and not isinstance(init, dict):
+        raise TypeError(f"{name}: init must be a dict of starting values or None, got {type(init).__name__}")
+
+
+def _keys(name: str, source_keys, sources: int) -> list:
+    keys = list(range(sources)) if source_keys is None else list(source_keys)
+    if len(keys) != sources:
+        raise ValueError(f"{name}: source_keys needs one id per source ({sources}), got {len(keys)}")
+    return keys
+
+
 def icov_mle(
     estimates,
     mask=None,
@@ -242,11 +258,12 @@ def icov_mle(
     latent_dim: D, the rank of the correlated part. source_keys: ids seeding each source's starting
     factors (default 0..J-1). init: {"V", "noise", "sigma_u2"} to warm-start. past: earlier tasks.
     """
+    _check_fit("icov_mle", latent_dim, max_iter, seed, init, steps=steps)
     t = as_tasks(estimates, mask)
     _, sources, k = t.shape
     gram = TaskGram.of(t)  # the iterations need only residual Gram matrices: one pass over the data
     tol = resolve_tol(tol, t.x.dtype)
-    keys = list(range(sources)) if source_keys is None else list(source_keys)
+    keys = _keys("icov_mle", source_keys, sources)
     init = init or {}
     # The fit is on J x J statistics after one pass over the data: it runs on the host, where L-BFGS's
     # many scalar reads are free (on a GPU each is a sync), and the same code gives every device the
@@ -495,12 +512,12 @@ def icov_vb(
     """
     if noise not in ("per_source", "shared"):
         raise ValueError(f"icov_vb: noise must be 'per_source' or 'shared', got {noise!r}")
+    _check_fit("icov_vb", latent_dim, max_iter, seed, init)
+    ard = check_bool("icov_vb: ard", ard)
     t = as_tasks(estimates, mask)
     tol = resolve_tol(tol, t.x.dtype)
     sweep = _VbSweep(t, latent_dim, noise, ard, past)
-    state = sweep.start(
-        list(range(t.shape[1])) if source_keys is None else list(source_keys), seed, init or {}
-    )
+    state = sweep.start(_keys("icov_vb", source_keys, t.shape[1]), seed, init or {})
     fit = squarem(sweep, state.pack(*state.fields), max_iter, tol)
     device = t.x.device  # the fit ran on the host: its results go where the data are
     state, lam, phi_u, alpha, sigma, now = fit.last.record

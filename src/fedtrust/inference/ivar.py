@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedtrust._checks import resolve_tol
+from fedtrust._checks import check_float, check_int, resolve_tol
 from fedtrust.inference.accelerate import Step, squarem
 from fedtrust.inference.result import InferenceResult, WeightChanges, converged
 from fedtrust.inference.tasks import TaskGram, TaskPasses, as_tasks, mean_noise, moved, weighted_sums
@@ -49,8 +49,14 @@ def start_noise(t, init_noise, gram: TaskGram | TaskPasses | None = None) -> tor
     """Starting sigma_j^2: ``init_noise`` where given (NaN = unknown), else the distance to the plain mean."""
     if init_noise is None:
         return mean_noise(t, gram)
-    given = torch.as_tensor(init_noise, dtype=torch.float64, device=t.x.device).clone()
+    given = torch.as_tensor(init_noise, dtype=torch.float64, device=t.x.device).clone().reshape(-1)
+    if len(given) != t.shape[1]:
+        raise ValueError(f"init_noise needs one variance per source ({t.shape[1]}), got {len(given)}")
     unknown = torch.isnan(given)
+    if not bool(((given > 0) & (given < math.inf) | unknown).all()):
+        bad = int(torch.nonzero(~((given > 0) & (given < math.inf) | unknown))[0])
+        raise ValueError(f"init_noise[{bad}] = {float(given[bad])!r}: a starting variance is > 0 and finite "
+                         "(NaN: unknown)")  # fmt: skip
     if unknown.any():
         given[unknown] = mean_noise(t, gram)[unknown]
     return given
@@ -98,6 +104,8 @@ def ivar_mle(
     (``DIRECT_MIN_SOURCES``) each iteration is one fused pass (:class:`TaskPasses`), which also forms the
     consensus: one pass per iteration (and one more when some given starting noise is unknown).
     """
+    max_iter = check_int("ivar_mle: max_iter", max_iter, minimum=1)
+    eps = check_float("ivar_mle: eps", eps, minimum=0.0, strict_min=True)
     t = as_tasks(estimates, mask)
     _, sources, k = t.shape
     m = t.m
@@ -233,6 +241,9 @@ def ivar_vb(
     numbers; on a GPU each of their scalar reads would be a sync), the same code on every device; the
     consensus is formed where the data are.
     """
+    max_iter = check_int("ivar_vb: max_iter", max_iter, minimum=1)
+    if tau2 is not None:
+        tau2 = check_float("ivar_vb: tau2", tau2, minimum=0.0, strict_min=True)
     t = as_tasks(estimates, mask)
     tasks, sources, k = t.shape
     device, host = t.x.device, torch.device("cpu")

@@ -44,8 +44,11 @@ def as_tasks(estimates, mask=None) -> Tasks:
     if isinstance(estimates, Tasks):
         return estimates
     x = torch.as_tensor(np.asarray(estimates) if not isinstance(estimates, torch.Tensor) else estimates)
+    if x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"estimates must hold real numbers, got dtype {x.dtype}")
     if not x.is_floating_point():
         x = x.to(torch.float64)
+    x = x.detach()
     if x.dim() == 2:
         x = x[:, :, None]
     if x.dim() != 3:
@@ -55,14 +58,24 @@ def as_tasks(estimates, mask=None) -> Tasks:
     i, j, k = x.shape
     if min(i, j, k) == 0:
         raise ValueError(f"estimates are empty (shape {(i, j, k)})")
-    finite = torch.isfinite(x.sum(-1))  # one fast reduction; a NaN or Inf makes the sum non-finite
+    finite = torch.isfinite(torch.linalg.vector_norm(x, dim=-1))  # one pass: NaN, Inf, or a square too large
     suspect = ~finite
-    if suspect.any():  # a sum can also overflow on finite entries: check those rows exactly
+    if suspect.any():  # check those entries exactly
         finite[suspect] = torch.isfinite(x[suspect]).all(-1)
+        large = suspect & finite
+        if large.any():
+            t, s = torch.nonzero(large)[0].tolist()
+            raise ValueError(
+                f"estimates[{t}, {s}] reaches {float(x[t, s].abs().max()):.3g}: its square overflows "
+                f"{x.dtype} (rescale the estimates, or give them in float64)"
+            )
     if mask is None:
         mask = finite
     else:
-        mask = torch.as_tensor(mask, dtype=torch.bool, device=x.device)
+        given = torch.as_tensor(mask)
+        if given.dtype != torch.bool and not bool(((given == 0) | (given == 1)).all()):
+            raise ValueError(f"mask must be bool (True: the entry is present), got {given.dtype} values")
+        mask = given.to(dtype=torch.bool, device=x.device)
         if mask.shape != (i, j):
             raise ValueError(f"mask must be (tasks, sources) = {(i, j)}, got {tuple(mask.shape)}")
         bad = mask & ~finite

@@ -292,6 +292,7 @@ class Simulation:
             if first == 1:
                 fields["started"] = now()
             store.write_manifest({**stored, **(manifest or {}), **fields})
+        spent = stored.get("seconds") or 0.0  # earlier sessions', up to their last checkpoint
         if first == 1 and hasattr(self.rule, "observe"):
             self.initial_report()
         for t in range(first, self.rounds + 1):
@@ -306,6 +307,8 @@ class Simulation:
                     store.save_checkpoint(
                         {"round": t, "vector": self.vector, "rule_state": self.rule.state_dict()}
                     )
+                    # the time up to a checkpoint survives a kill: a resume adds its own to it
+                    store.update_manifest(seconds=spent + time.perf_counter() - began)
             if on_round is not None:
                 on_round(record)
             if diverged:
@@ -320,7 +323,7 @@ class Simulation:
                 finished=now(),
                 final=final_metrics(records),
                 not_aggregated=sum(r["error"] is not None for r in records),
-                seconds=(stored.get("seconds") or 0.0) + time.perf_counter() - began,
+                seconds=spent + time.perf_counter() - began,
             )
         return records
 

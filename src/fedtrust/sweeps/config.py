@@ -36,7 +36,7 @@ from fedtrust.data import DATASETS
 from fedtrust.data.corruptions import DATA_CORRUPTIONS
 from fedtrust.data.partition import PARTITIONERS
 from fedtrust.models import MODELS
-from fedtrust.registry import UnknownNameError, build, check_options, lookup, options_of
+from fedtrust.registry import UnknownNameError, build, check_options, lookup, options_of, yaml_value
 from fedtrust.rules import rule as build_rule
 from fedtrust.sim.settings import TrainSettings
 
@@ -254,7 +254,7 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Exper
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml_value(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from None
     if raw is None:  # an empty file would run the default experiment, which nobody asked for
@@ -264,7 +264,7 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Exper
         if not sep or not key:
             raise ConfigError(f"--set expects path=value, got {item!r}")
         try:
-            _set(raw, key.strip(), yaml.safe_load(value), f"{path.name}: --set ")
+            _set(raw, key.strip(), yaml_value(value), f"{path.name}: --set ")
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {item!r}: the value is not valid YAML ({exc})") from None
     cfg = validate(raw, f"{path.name}: ")
@@ -295,7 +295,8 @@ def _label(path: str, value: Any) -> str:
     key = path.removesuffix(".name")
     if isinstance(value, dict):
         value = ",".join([value.get("name", ""), *(f"{k}={v}" for k, v in value.items() if k != "name")])
-    return re.sub(r"[^A-Za-z0-9.,=_-]+", "-", f"{key}={value}")
+    text = re.sub(r"(?<=\d)e\+(?=\d)", "e", f"{key}={value}")  # 1e+20 -> 1e20, not 1e-20
+    return re.sub(r"[^A-Za-z0-9.,=_-]+", "-", text)
 
 
 def shell_safe(label: str) -> str:
@@ -343,5 +344,9 @@ def expand(cfg: ExperimentConfig, where: str = "") -> list[tuple[str, Experiment
         runs.append((label, validate(tree, f"{where}sweep run {label}: ")))
     labels = [label for label, _ in runs]
     if len(set(labels)) != len(labels):
-        raise ConfigError(f"{where}sweep: two runs share a label; make the swept values distinct")
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        raise ConfigError(
+            f"{where}sweep: runs share the label {twice[0]!r} (a run folder's name keeps only letters, "
+            "digits and . , = _ -); make the swept values distinct there"
+        )
     return runs

@@ -248,6 +248,13 @@ def run_experiment(
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a whole number >= 1, got {jobs!r}")
     runs = expand(cfg)
+    named = {c.corruption.name for _, c in runs if c.corruption.name != "none"}
+    if named and not any(c.corruption.fraction > 0 or c.corruption.added > 0 for _, c in runs):
+        warnings.warn(
+            f"corruption {', '.join(sorted(named))}: corruption.fraction is 0 (and no clients are added) in "
+            "every run, so no client is corrupted; set corruption.fraction",
+            stacklevel=2,
+        )
     root = Path(out) / cfg.name
     if root.exists() and not root.is_dir():
         raise NotADirectoryError(f"{root} is a file; --out must be a folder")
@@ -383,6 +390,7 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
         "config_hash": config_hash(run_cfg),
         "versions": versions(),
         "data_digest": data,
+        "threads": torch.get_num_threads(),  # BLAS splits its sums by thread: the last digits may move
     }
     bar.advance(len(store.read_rounds()[0]), label)
     try:
