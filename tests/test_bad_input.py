@@ -164,8 +164,10 @@ def test_missing_required_metric_is_a_clear_error():
     class NeedsLoss(type(rule("mean"))):
         requires = ("train_loss",)
 
-    with pytest.raises(ValueError, match=r"needs metric 'train_loss' in Round.metrics; got none"):
+    with pytest.raises(ValueError, match=r"mean needs metric 'train_loss' in Round.metrics; got none"):
         NeedsLoss()(Round(updates=torch.randn(3, 2)))
+    with pytest.raises(ValueError, match=r"^arfl needs metric 'train_loss'"):
+        rule("arfl")(Round(updates=torch.randn(3, 2)))
     out = NeedsLoss()(Round(updates=torch.randn(3, 2), metrics={"train_loss": [0.1, math.inf, 0.3]}))
     assert "metric train_loss=inf is not finite" in out.info["quarantined"][1]
 
@@ -191,7 +193,11 @@ def test_unknown_option_lists_the_valid_options():
     "name, options, message",
     [
         ("krum", {"f": -1}, r"krum: f must be >= 0, got -1"),
-        ("krum", {"f": "two"}, r"krum: f must be an integer, got 'two'"),
+        (
+            "krum",
+            {"f": "two"},
+            r"krum: f must be a count \(an integer >= 0\) or a fraction of the clients .* got 'two'",
+        ),
         ("krum", {"f": 0.7}, r"krum: f \(as a fraction of the clients\) must be <= 0.4999999, got 0.7"),
         ("multi_krum", {"m": 0}, r"multi_krum: m must be >= 1, got 0"),
         ("geometric_median", {"nu": 0.0}, r"geometric_median: nu must be > 0.0, got 0.0"),

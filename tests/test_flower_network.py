@@ -153,6 +153,39 @@ def test_flower_run_of_the_example_leaves_no_process_behind(tmp_path):
     assert flower_processes() <= before, flower_processes() - before
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_flower_run_interrupted_mid_run_leaves_no_process_behind(sig):
+    """Ctrl-C or a `kill` (systemd, a CI timeout) in the middle of a run: everything the run started
+    is stopped, Ray's agents of the simulation included (they run without FLWR_HOME, in process groups
+    of their own; a SIGTERM used to end fedtrust before its clean-up)."""
+    before = flower_processes()
+    proc = subprocess.Popen(
+        [str(BIN / "fedtrust"), "flower-run", str(APP), "--nodes", "3", "--run-config",
+         'num-server-rounds=500 model="softmax" rule="median"'],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"},
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if "[ROUND 2/500]" in line:
+                break
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert flower_processes() <= before, flower_processes() - before
+
+
+def test_flower_run_refuses_an_unknown_run_config_key_and_too_few_nodes_before_starting():
+    from fedtrust.flower.local import checked_run_config
+
+    with pytest.raises(ValueError, match="declares no key 'num-server-round'; its keys: num-server-rounds"):
+        checked_run_config(APP, 3, "num-server-round=2")
+    with pytest.raises(ValueError, match=r"--nodes 2 is below the app's min-nodes \(3\)"):
+        checked_run_config(APP, 2, 'rule="median"')
+    checked_run_config(APP, 2, "min-nodes=2")
+
+
 def flower_processes() -> set[str]:
     found = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -161,6 +194,7 @@ def flower_processes() -> set[str]:
         except OSError:
             continue
         if any(name in command for name in ("flower-superlink", "flower-superexec", "flwr-serverapp",
-                                            "flwr-simulation", "flower-supernode")):  # fmt: skip
+                                            "flwr-simulation", "flower-supernode", "ray::", "raylet",
+                                            "gcs_server")):  # fmt: skip
             found.add(f"{pid}: {command[:100]}")
     return found

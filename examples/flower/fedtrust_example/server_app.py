@@ -9,6 +9,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedtrust.flower import ArrayLayout, TrustStrategy, server_training
 from fedtrust.models import FlatModel
 from fedtrust.registry import parse_spec
+from fedtrust.rules import rule as build_rule
 from fedtrust_example.task import make_model, server_data, setting
 
 app = ServerApp()
@@ -27,6 +28,9 @@ def main(grid: Grid, context: Context) -> None:
     corrupted = setting(cfg, "fedtrust-corrupted-partitions", str).replace(",", " ").split()
     # FLTrust's root-data update: the server trains on its benchmark rows as the nodes train
     root = server_training(make_model(dataset, model_name), benchmark, cfg) if size else None
+    if getattr(build_rule(rule, **rule_options), "reads_reference", ()) and not size:
+        raise ValueError(f"run config rule={rule!r} reads the server's own trusted rows: set benchmark-size "
+                         "> 0 (the rows of the server's split, e.g. benchmark-size=100)")  # fmt: skip
     strategy = TrustStrategy(
         rule=rule,
         rule_options=rule_options,

@@ -324,6 +324,9 @@ def check_f(rule: str, f: Any) -> int | float:
     """Validate a rule's ``f`` option: a count (int >= 0) or a fraction of the clients (0 <= f < 0.5)."""
     if isinstance(f, numbers.Real) and not isinstance(f, numbers.Integral):  # numpy's float32 too
         return check_float(f"{rule}: f (as a fraction of the clients)", f, minimum=0.0, maximum=0.4999999)
+    if isinstance(f, bool) or not isinstance(f, numbers.Integral):
+        raise TypeError(f"{rule}: f must be a count (an integer >= 0) or a fraction of the clients (a float "
+                        f"in [0, 0.5)), got {f!r} ({type(f).__name__})")  # fmt: skip
     return check_int(f"{rule}: f", f, minimum=0)
 
 

@@ -65,11 +65,13 @@ def norm_limit(dtype: torch.dtype) -> float:
     return math.sqrt(torch.finfo(dtype).max)
 
 
-def screen(round: Round, requires: Sequence[str] = (), updates: bool = True) -> dict[int, str]:
+def screen(
+    round: Round, requires: Sequence[str] = (), updates: bool = True, rule: str = "this rule"
+) -> dict[int, str]:
     """Positions of the round's malformed clients -> reason: a reported count or a required metric that
     is not finite (or a negative count), and with ``updates`` an update with a non-finite entry or a norm
     overflowing its dtype (one pass over the updates: :attr:`Round.norms`)."""
-    bad = _screen_scalars(round, requires)
+    bad = _screen_scalars(round, requires, rule)
     return {**bad, **_screen_updates(round)} if updates else bad
 
 
@@ -88,7 +90,7 @@ def _screen_updates(round: Round) -> dict[int, str]:
     return bad
 
 
-def _screen_scalars(round: Round, requires: Sequence[str]) -> dict[int, str]:
+def _screen_scalars(round: Round, requires: Sequence[str], rule: str) -> dict[int, str]:
     bad: dict[int, str] = {}
     counts = round.num_samples
     if not requires and len(counts) and float(counts.min()) >= 0 and math.isfinite(float(counts.sum())):
@@ -98,7 +100,7 @@ def _screen_scalars(round: Round, requires: Sequence[str]) -> dict[int, str]:
     for name in requires:
         if name not in round.metrics:
             raise ValueError(
-                f"this rule needs metric {name!r} in Round.metrics; got {sorted(round.metrics) or 'none'}"
+                f"{rule} needs metric {name!r} in Round.metrics; got {sorted(round.metrics) or 'none'}"
             )
         values = round.metrics[name]
         for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist():
@@ -113,11 +115,11 @@ def call_rule(rule: Any, round: Round) -> Aggregate:
     if not isinstance(round, Round):
         raise TypeError(f"{rule.name}: expected a fedtrust Round, got {type(round).__name__}")
     fused, first = has_first_pass(rule), None
-    if fused and not screen(round, rule.requires, updates=False):
+    if fused and not screen(round, rule.requires, updates=False, rule=rule.name):
         first = rule.first_pass(round)
         if first.clears(round):
             return rule.aggregate(round, first)
-    bad = screen(round, rule.requires)
+    bad = screen(round, rule.requires, rule=rule.name)
     if not bad:  # (a mean whose finite updates sum past the dtype: its first pass stands)
         return rule.aggregate(round, first) if first is not None else _aggregate(rule, round, fused)
     keep = [i for i in range(round.n) if i not in bad]

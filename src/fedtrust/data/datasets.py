@@ -180,6 +180,9 @@ def load_idx(directory: str | Path, name: str = "mnist", num_classes: int = 10) 
     """Any MNIST-format directory: train/t10k image and label IDX files (plain or .gz); 8-bit pixels to
     [0, 1] (images stored as other IDX types are read as they are)."""
     directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        raise DatasetNotFound(f"IDX folder {directory} does not exist (looked at {directory.resolve()}; a "
+                              "relative path is read from the working directory)")  # fmt: skip
     files = {key: _find_idx(directory, stem) for key, stem in _IDX_FILES.items()}
     missing = [_IDX_FILES[k] for k, v in files.items() if v is None]
     if missing:
@@ -444,7 +447,8 @@ def load_csv(
         raise ValueError(f"csv: path must be a file path, got {path!r}")
     path = Path(path)
     if not path.exists():
-        raise DatasetNotFound(f"CSV file {path} does not exist")
+        raise DatasetNotFound(f"CSV file {path} does not exist (looked at {path.resolve()}; a relative "
+                              "path is read from the working directory)")  # fmt: skip
     with open(path, newline="") as fh:
         rows = list(csv.reader(fh))
     if not rows:

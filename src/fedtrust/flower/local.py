@@ -10,6 +10,7 @@ integration test for a SuperLink and SuperNodes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -76,16 +78,21 @@ class Processes:
 
     def alive(self) -> list[str]:
         """Processes still running with this ``FLWR_HOME`` (SuperExecs and app processes the started ones
-        spawned included), as ``pid: command``."""
+        spawned included) or in the session of a started one (Ray's agents, which the simulation starts
+        without that environment and in process groups of their own), as ``pid: command``."""
+        sessions = {str(proc.pid) for proc, _ in self.started}
         found = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 environ = Path(f"/proc/{pid}/environ").read_bytes()
                 status = Path(f"/proc/{pid}/status").read_text()
                 command = Path(f"/proc/{pid}/cmdline").read_bytes()
+                stat = Path(f"/proc/{pid}/stat").read_text()
             except OSError:
                 continue
-            if f"FLWR_HOME={self.home}".encode() in environ.split(b"\0") and "State:\tZ" not in status:
+            session = stat.rpartition(")")[2].split()[3]  # after "pid (comm)": state ppid pgrp session
+            ours = f"FLWR_HOME={self.home}".encode() in environ.split(b"\0") or session in sessions
+            if ours and "State:\tZ" not in status and int(pid) != os.getpid():
                 found.append(f"{pid}: {command.replace(NUL, b' ').decode(errors='replace')[:120]}")
         return found
 
@@ -115,6 +122,24 @@ class Processes:
         return self.alive()
 
 
+@contextlib.contextmanager
+def _terminated_as_interrupt():
+    """SIGTERM (``kill``, systemd, a CI timeout) raises KeyboardInterrupt here, as Ctrl-C does, so the
+    clean-up below runs instead of leaving the SuperLink and the simulation behind (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def unfinished_runs(procs: Processes) -> list[str]:
     """The runs on this SuperLink that did not finish as completed (``flwr run --stream`` exits 0 when
     the ServerApp raised), as ``run <id>: <status> (<details>)``; one line if the status cannot be read."""
@@ -127,6 +152,34 @@ def unfinished_runs(procs: Processes) -> list[str]:
             if r.get("status") != "finished:completed"]  # fmt: skip
 
 
+def checked_run_config(app: Path, nodes: int, run_config: str | None) -> None:
+    """Refuse, before anything starts, a run config naming a key the app does not declare (Flower says
+    only "Invalid run configuration") and fewer nodes than the app's ``min-nodes`` (the run would wait
+    for the missing nodes for ever)."""
+    import tomllib
+
+    from flwr.common.config import parse_config_args
+
+    try:
+        declared = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    except (KeyError, TypeError, tomllib.TOMLDecodeError):
+        return  # not our business: Flower reads the app
+    try:
+        given = parse_config_args([run_config]) if run_config else {}
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"--run-config {run_config!r} is not key=value pairs: {exc}") from None
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+        raise ValueError(
+            f"--run-config: {app} declares no key {unknown[0]!r}; its keys: {', '.join(declared)}"
+        )
+    least = given.get("min-nodes", declared.get("min-nodes"))
+    if isinstance(least, int) and not isinstance(least, bool) and nodes < least:
+        raise ValueError(f"--nodes {nodes} is below the app's min-nodes ({least}): the run would wait for "
+                         f"{least - nodes} more for ever; give --nodes {least} or set "
+                         f"min-nodes={nodes}")  # fmt: skip
+
+
 def simulate(app: str | Path, nodes: int, run_config: str | None = None, logs: Path | None = None) -> int:
     """``flwr run APP --stream`` in Flower's simulation engine with ``nodes`` SuperNodes, on a SuperLink
     started for it and stopped (with everything it started) when the run ends; the exit status of
@@ -136,7 +189,8 @@ def simulate(app: str | Path, nodes: int, run_config: str | None = None, logs: P
         raise ValueError(f"nodes must be a whole number >= 1, got {nodes!r}")
     if not (Path(app) / "pyproject.toml").is_file():
         raise ValueError(f"app {app}: no pyproject.toml there (give the folder of a Flower app)")
-    with tempfile.TemporaryDirectory(prefix="fedtrust-flower-") as tmp:
+    checked_run_config(Path(app), nodes, run_config)
+    with tempfile.TemporaryDirectory(prefix="fedtrust-flower-") as tmp, _terminated_as_interrupt():
         procs = Processes(Path(tmp) / "flwr-home", Path(logs) if logs else Path(tmp))
         port = free_port()
         try:

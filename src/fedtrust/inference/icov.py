@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from fedtrust._checks import check_bool, check_int, resolve_tol
-from fedtrust.inference.accelerate import Step, squarem
+from fedtrust.inference.accelerate import Step, one_thread, squarem
 from fedtrust.inference.result import InferenceResult, WeightChanges, converged
 from fedtrust.inference.tasks import TaskGram, as_tasks, mean_noise, moved, weighted_sums
 
@@ -287,14 +287,15 @@ def icov_mle(
     trace: list[float] = []
     changes = WeightChanges()
     fit = _CovarianceFit(theta, all_mask, all_s, k, total, steps)
-    for it in range(1, max_iter + 1):
-        ll = fit.step()
-        with torch.no_grad():  # the restricted likelihood does not see the loadings' centre; eq 3 does
-            a = consensus_coefficients(_phi(_centred(theta)), task_mask)
-        changes.add(a)
-        trace.append(ll / total)
-        if converged(changes, tol):
-            break
+    with one_thread():  # many small J x J operations: threads only wait for each other
+        for it in range(1, max_iter + 1):
+            ll = fit.step()
+            with torch.no_grad():  # the restricted likelihood does not see the loadings' centre; eq 3 does
+                a = consensus_coefficients(_phi(_centred(theta)), task_mask)
+            changes.add(a)
+            trace.append(ll / total)
+            if converged(changes, tol):
+                break
     there = t.x.device
     with torch.no_grad():
         theta = _centred(theta)
