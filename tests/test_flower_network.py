@@ -6,6 +6,7 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,9 @@ def test_flower_run_interrupted_mid_run_leaves_no_process_behind(sig):
         proc.wait(timeout=120)
     finally:
         proc.kill()
+    deadline = time.monotonic() + 30  # Ray's agents notice their raylet is gone within seconds
+    while not flower_processes() <= before and time.monotonic() < deadline:
+        time.sleep(1)
     assert flower_processes() <= before, flower_processes() - before
 
 
