@@ -44,6 +44,7 @@ class Processes:
                     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
                     "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}  # fmt: skip
         self.started: list[tuple[subprocess.Popen, Path]] = []
+        self.tree: set[str] = set()  # every descendant of the started processes, taken when they stop
 
     def start(self, name: str, command: Sequence[str]) -> Path:
         """Start ``command`` in a session of its own, its output to ``<logs>/<name>.log``; the log's path."""
@@ -91,15 +92,39 @@ class Processes:
             except OSError:
                 continue
             session = stat.rpartition(")")[2].split()[3]  # after "pid (comm)": state ppid pgrp session
-            ours = f"FLWR_HOME={self.home}".encode() in environ.split(b"\0") or session in sessions
+            ours = (
+                f"FLWR_HOME={self.home}".encode() in environ.split(b"\0")
+                or session in sessions
+                or pid in self.tree
+            )
             if ours and "State:\tZ" not in status and int(pid) != os.getpid():
                 found.append(f"{pid}: {command.replace(NUL, b' ').decode(errors='replace')[:120]}")
         return found
 
+    def descendants(self) -> set[str]:
+        """The pids of every process descended from the started ones, now (Ray's agents are re-parented
+        to init once their raylet is gone, so the tree is taken before anything is stopped)."""
+        children: dict[str, list[str]] = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                ppid = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1]
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(pid)
+        found, todo = set(), [str(proc.pid) for proc, _ in self.started]
+        while todo:
+            pid = todo.pop()
+            for child in children.get(pid, []):
+                if child not in found:
+                    found.add(child)
+                    todo.append(child)
+        return found
+
     def stop(self, grace: float = 10.0) -> list[str]:
         """SIGTERM to every started process group, SIGKILL after ``grace`` seconds to what remains (and to
-        any other process with this ``FLWR_HOME``); returns what is still alive after that (nothing,
-        normally)."""
+        any other process with this ``FLWR_HOME``, in a started one's session, or descended from one when
+        the stop began); returns what is still alive after that (nothing, normally)."""
+        self.tree |= self.descendants()
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
             for proc, _ in self.started:
                 try:
