@@ -93,6 +93,8 @@ def parse_spec(text: str) -> tuple[str, dict[str, Any]]:
     -> (name, options): how a report names a rule with options and a Flower node config names its
     corruption or attack. Commas inside brackets or quotes belong to the value; an empty value or a key
     given twice is refused."""
+    import yaml
+
     name, paren, rest = str(text).strip().partition("(")
     if paren and not rest.rstrip().endswith(")"):
         raise ValueError(f"{text!r}: options go in parentheses, as in 'name(key=value, other=value)'")
@@ -108,7 +110,7 @@ def parse_spec(text: str) -> tuple[str, dict[str, Any]]:
             raise ValueError(f"{text!r}: option {key!r} is given twice")
         try:
             options[key] = yaml_value(value)
-        except Exception as exc:  # noqa: BLE001 - yaml's errors: name the option instead
+        except yaml.YAMLError as exc:
             raise ValueError(f"{text!r}: option {key!r}: {value.strip()!r} is not a YAML value") from exc
     return name.strip(), options
 

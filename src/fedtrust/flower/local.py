@@ -79,25 +79,18 @@ class Processes:
 
     def alive(self) -> list[str]:
         """Processes still running with this ``FLWR_HOME`` (SuperExecs and app processes the started ones
-        spawned included) or in the session of a started one (Ray's agents, which the simulation starts
-        without that environment and in process groups of their own), as ``pid: command``."""
-        sessions = {str(proc.pid) for proc, _ in self.started}
+        spawned included) or in the tree :meth:`stop` took (Ray's agents, which the simulation starts
+        without that environment, in sessions of their own), as ``pid: command``."""
         found = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 environ = Path(f"/proc/{pid}/environ").read_bytes()
                 status = Path(f"/proc/{pid}/status").read_text()
                 command = Path(f"/proc/{pid}/cmdline").read_bytes()
-                stat = Path(f"/proc/{pid}/stat").read_text()
             except OSError:
                 continue
-            session = stat.rpartition(")")[2].split()[3]  # after "pid (comm)": state ppid pgrp session
-            ours = (
-                f"FLWR_HOME={self.home}".encode() in environ.split(b"\0")
-                or session in sessions
-                or pid in self.tree
-            )
-            if ours and "State:\tZ" not in status and int(pid) != os.getpid():
+            ours = f"FLWR_HOME={self.home}".encode() in environ.split(b"\0") or pid in self.tree
+            if ours and "State:\tZ" not in status:
                 found.append(f"{pid}: {command.replace(NUL, b' ').decode(errors='replace')[:120]}")
         return found
 
@@ -106,7 +99,7 @@ class Processes:
         to init once their raylet is gone, so the tree is taken before anything is stopped)."""
         children: dict[str, list[str]] = {}
         for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
+            try:  # after "pid (comm)": state ppid ...
                 ppid = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1]
             except OSError:
                 continue
@@ -122,8 +115,8 @@ class Processes:
 
     def stop(self, grace: float = 10.0) -> list[str]:
         """SIGTERM to every started process group, SIGKILL after ``grace`` seconds to what remains (and to
-        any other process with this ``FLWR_HOME``, in a started one's session, or descended from one when
-        the stop began); returns what is still alive after that (nothing, normally)."""
+        any other process with this ``FLWR_HOME`` or descended from a started one when the stop began);
+        returns what is still alive after that (nothing, normally)."""
         self.tree |= self.descendants()
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
             for proc, _ in self.started:

@@ -53,8 +53,9 @@ def start_noise(t, init_noise, gram: TaskGram | TaskPasses | None = None) -> tor
     if len(given) != t.shape[1]:
         raise ValueError(f"init_noise needs one variance per source ({t.shape[1]}), got {len(given)}")
     unknown = torch.isnan(given)
-    if not bool(((given > 0) & (given < math.inf) | unknown).all()):
-        bad = int(torch.nonzero(~((given > 0) & (given < math.inf) | unknown))[0])
+    valid = (given > 0) & (given < math.inf) | unknown
+    if not bool(valid.all()):
+        bad = int(torch.nonzero(~valid)[0])
         raise ValueError(f"init_noise[{bad}] = {float(given[bad])!r}: a starting variance is > 0 and finite "
                          "(NaN: unknown)")  # fmt: skip
     if unknown.any():
