@@ -4,20 +4,27 @@ honest clients put it; no rule fails on identical, collinear or rank-deficient r
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
 import runs
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fedtrust import Round, rule
-from fedtrust.aggregators import Aggregate, leaving_out
+from fedtrust.aggregators import Aggregate, chunks, leaving_out, sybils
+from fedtrust.aggregators.distances import pairwise_sq_distances
+from fedtrust.aggregators.passes import norms_and_sketch, row_norms
 from fedtrust.aggregators.sybils import find_groups
 from fedtrust.attacks import AttackContext, attack
 from fedtrust.report import write_report
 from fedtrust.rules import available
 from fedtrust.sweeps.config import validate
 from fedtrust.sweeps.runner import build_simulation, run_experiment
+
+CONSTANT_FIXTURE = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 SHARING = ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb", "focus"]
 #: ICOV at fewer iterations (ICOV-MLE 10 of 5 quasi-Newton steps, ICOV-VB 50): their defaults take
@@ -309,3 +316,86 @@ def test_a_run_keeps_each_rounds_groups_and_the_report_counts_them(tmp_path):
         in text
     )
     assert "rule=ivar_vb,sybils=off:" not in text
+
+
+def _structured_round(seed: int, dtype: torch.dtype, shift: float, d: int) -> torch.Tensor:
+    """Honest updates, exact copies, copies a few units in the last place off, copies at 0.5, 0.99, 1.01
+    and 2 times the rounding threshold, copies with 1e-3 noise, two distinct updates of equal norm whose
+    difference sums to zero over every pair of coordinates, all shifted by a common offset."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, d, generator=g, dtype=torch.float64) + shift
+    eps = torch.finfo(dtype).eps
+    rows = [x[i] for i in range(8)]
+    rows += [x[0], x[0]]  # exact copies
+    nudged = x[1].to(dtype)
+    flip = torch.rand(d, generator=g) < 0.5
+    rows.append(
+        torch.where(flip, torch.nextafter(nudged, torch.full_like(nudged, math.inf)), nudged).double()
+    )
+    direction = torch.randn(d, generator=g, dtype=torch.float64)
+    direction /= direction.norm()
+    for i, c in enumerate([0.5, 0.99, 1.01, 2.0]):
+        rows.append(x[2 + i] + c * sybils.FLOOR_ULPS * eps * x[2 + i].norm() * direction)
+    rows.append(x[6] + 1e-3 * torch.randn(d, generator=g, dtype=torch.float64))
+    swapped = x[7].clone()  # adjacent coordinates swapped: same norm, same run sums (the sketch's blind spot)
+    swapped[0 : d - d % 2 : 2], swapped[1 : d - d % 2 : 2] = x[7][1 : d - d % 2 : 2], x[7][0 : d - d % 2 : 2]
+    rows.append(swapped)
+    return torch.stack(rows).to(dtype)
+
+
+@CONSTANT_FIXTURE
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    shift=st.sampled_from([0.0, 30.0, 1e4]),
+    d=st.sampled_from([7, 300, 5000]),
+    chunked=st.booleans(),
+)
+def test_the_sketch_finds_exactly_the_groups_the_gram_matrix_finds(
+    seed, dtype, shift, d, chunked, monkeypatch
+):
+    """IVAR, ICOV and FOCUS find copies from a sketch taken with the norms (one read), Krum and NNM from
+    their Gram matrix: the same groups and reasons, including copies that differ by rounding, pairs on
+    either side of the rounding threshold, noisy copies (separate sources), distinct updates of equal
+    norm and equal sketch, and a large common offset; the pass's norms are row_norms' to the bit."""
+    x = _structured_round(seed, dtype, shift, d)
+    if chunked:  # column blocks of 8 columns: runs of 16 cross block boundaries
+        for budget in chunks.BUDGETS:
+            monkeypatch.setitem(chunks.BUDGETS, budget, x.shape[0] * 8 * x.element_size())
+    norms, sketch = norms_and_sketch(x, 16)
+    assert torch.equal(norms, row_norms(x))
+    sq_dist, gram_norms = pairwise_sq_distances(x)
+    by_gram = sybils.near_duplicates(x, sq_dist, norms)
+    by_sketch = sybils.sketched_duplicates(x, sketch, norms)
+    assert by_sketch == by_gram
+    groups = by_sketch.members
+    # (0.99 and 1.01 times the threshold fall either side only up to the copies' own rounding)
+    assert {(0, 8, 9), (1, 10), (2, 11), (5,), (14,), (16,)} <= set(groups)
+    if shift < 1e3:  # (1e-3 noise on values near 1e4 is below float32's rounding of them)
+        assert (15,) in groups  # the noisy copy
+
+
+@given(seed=st.integers(0, 2**31 - 1), width=st.sampled_from([1, 5, 64, 4096]))
+def test_sketches_are_never_further_apart_than_the_updates(seed, width):
+    """The sketch is an orthonormal projection: its distances are at most the updates' (to float32
+    rounding of the run sums), which is what makes a pair of copies always a candidate."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 1000, generator=g) * torch.logspace(-3, 3, 6)[:, None]
+    norms, sketch = norms_and_sketch(x, width)
+    true = torch.cdist(x.double(), x.double())
+    got = torch.cdist(sketch, sketch)
+    slack = 4 * torch.finfo(torch.float32).eps * (norms[:, None] + norms[None, :])
+    assert bool((got <= true + slack).all())
+
+
+@pytest.mark.parametrize("name", ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"])
+def test_a_round_without_copies_gives_the_same_numbers_shared_or_not(name):
+    """The first pass takes the same norms with or without the search for copies, so where it finds none
+    the estimator sees the same numbers: sharing costs a round without copies nothing, to the bit."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(20, 60_000, generator=g) * torch.linspace(0.3, 2.0, 20)[:, None]
+    shared = rule(name, **FAST.get(name, {}))(Round(updates=x))
+    off = rule(name, sybils="off", **FAST.get(name, {}))(Round(updates=x))
+    assert shared.info["groups"] == []
+    torch.testing.assert_close(shared.vector, off.vector, rtol=0, atol=0)
+    torch.testing.assert_close(shared.weights, off.weights, rtol=0, atol=0)

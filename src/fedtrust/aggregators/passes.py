@@ -4,6 +4,8 @@ own device and dtype, in column blocks (:mod:`~fedtrust.aggregators.chunks`)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fedtrust.aggregators.chunks import column_blocks
@@ -17,6 +19,28 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     for cols in column_blocks(x, "stream"):
         sq += torch.linalg.vector_norm(x[..., cols], dim=-1).to(torch.float64).square()
     return sq.sqrt()
+
+
+def norms_and_sketch(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (n,) norms of the rows of an (n, d) ``x`` exactly as :func:`row_norms` takes them, and in the
+    same pass (each column block still in cache) their (n, k) float64 sketch: each row's sum over
+    consecutive runs of ``width`` coordinates (a block's last run may be shorter), divided by the square
+    root of the run's length. The runs are disjoint, so the sketch is an orthonormal projection of the rows:
+    two sketches are never further apart than the rows they sketch (up to the sums' float rounding, about
+    eps times the row's norm)."""
+    n = x.shape[0]
+    sq = torch.zeros(n, dtype=torch.float64, device=x.device)
+    parts = []
+    for cols in column_blocks(x, "stream"):
+        block = x[:, cols]
+        sq += torch.linalg.vector_norm(block, dim=-1).to(torch.float64).square()
+        runs = block.shape[1] // width
+        if runs:
+            parts.append(block[:, : runs * width].unflatten(1, (runs, width)).sum(-1).to(torch.float64))
+            parts[-1] /= math.sqrt(width)
+        if (rest := block.shape[1] - runs * width) > 0:
+            parts.append(block[:, runs * width :].sum(-1, keepdim=True).to(torch.float64) / math.sqrt(rest))
+    return sq.sqrt(), torch.cat(parts, 1)
 
 
 def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

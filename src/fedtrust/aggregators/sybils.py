@@ -27,9 +27,12 @@ adversaries (accuracy 0.82 -> 0.15; the median scale is the adversaries' to set,
 make any honest cluster look like copies). Copies with noise added are therefore separate sources here.
 Groups are the connected components of the relation.
 
-Distances come from the rules' Gram kernel (:func:`~fedtrust.aggregators.distances.pairwise_sq_distances`);
-a pair it puts near the threshold, or whose norms are equal to the last bit, is measured again by
-explicit differences, so float32 cancellation neither splits exact copies nor joins distinct updates.
+Candidate pairs come from the Gram kernel where a rule has it anyway (Krum, NNM:
+:func:`near_duplicates`; :func:`~fedtrust.aggregators.distances.pairwise_sq_distances`), otherwise from a
+sketch taken in the pass that takes the norms (:func:`sketched_duplicates`: IVAR, ICOV, FOCUS; one read of
+the updates instead of n^2 d products). Every candidate is measured again by explicit differences, so
+float32 cancellation neither splits exact copies nor joins distinct updates, and both searches give the
+same groups.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import torch
 
 from fedtrust.aggregators.chunks import column_blocks
 from fedtrust.aggregators.distances import pairwise_sq_distances
-from fedtrust.aggregators.passes import row_norms
+from fedtrust.aggregators.passes import norms_and_sketch, row_norms
 
 #: Near-duplicates by distance: squared distance at most this fraction of the smaller median squared
 #: distance to the others. 0: only copies to the rounding (see the module docstring for why).
@@ -53,6 +56,14 @@ FLOOR_ULPS = 4
 #: Gram-based distances within this many eps * sqrt(d) * (||x_i||^2 + ||x_j||^2) of the threshold are
 #: measured again by differences (the Gram's float32 cancellation is about that size).
 GRAM_SLACK = 8.0
+#: Without the Gram matrix (:func:`find_groups`, the inference rules' first pass) candidate pairs come from
+#: a sketch: each update's sums over runs of this many coordinates (n x d / SKETCH_WIDTH numbers, taken in
+#: the pass that takes the norms). Distinct updates' sketches are about 1 / sqrt(SKETCH_WIDTH) of their
+#: distance apart, so pairs closer than ~0.1% of their norm are measured by differences, the rest never.
+SKETCH_WIDTH = 4096
+#: Sketch distances within this many eps * (||x_i|| + ||x_j||) beyond the rounding threshold are
+#: candidates: the float32 run sums' rounding (measured about 1.4 eps * the norm, all-positive rows).
+SKETCH_SLACK = 64.0
 
 
 @dataclass(frozen=True)
@@ -167,7 +178,8 @@ def near_duplicates(
 ) -> Groups:
     """Group the rows of ``x`` (n, d) whose squared distance (``sq_dist``, (n, n) from the Gram kernel;
     ``norms`` the rows' (n,) norms) is at most ``relative`` times the median pairwise squared distance or
-    within the dtype's rounding; see the module docstring."""
+    within the dtype's rounding; see the module docstring. For rules that have the distances anyway
+    (Krum, NNM); :func:`find_groups` finds copies without them."""
     n, d = x.shape
     if n < 2:
         return Groups.singletons(n)
@@ -177,11 +189,52 @@ def near_duplicates(
     spread = off.median(dim=1).values  # each update's median squared distance to the others (lower median)
     tol = relative * torch.minimum(spread[:, None], spread[None, :])
     eps = torch.finfo(x.dtype).eps
-    big = torch.maximum(norms[:, None], norms[None, :]) ** 2
-    floor = (FLOOR_ULPS * eps) ** 2 * big
+    limit = torch.maximum(_floor(x.dtype, norms), tol)
     slack = GRAM_SLACK * eps * math.sqrt(d) * (norms[:, None] ** 2 + norms[None, :] ** 2)
-    candidate = (sq_dist <= torch.maximum(floor, tol) + slack) | (norms[:, None] == norms[None, :])
-    candidate = torch.triu(candidate, 1)
+    candidate = (sq_dist <= limit + slack) | (norms[:, None] == norms[None, :])
+    return _link(x, candidate, limit, spread, relative)
+
+
+def sketched_duplicates(x: torch.Tensor, sketch: torch.Tensor, norms: torch.Tensor) -> Groups:
+    """The copies among the rows of ``x`` (n, d), to the dtype's rounding (``relative`` 0: what every
+    rule's default groups), with candidate pairs from the rows' ``sketch`` (n, k) and ``norms`` (n,)
+    (:func:`~fedtrust.aggregators.passes.norms_and_sketch`): the sketch is an orthonormal projection, so
+    a pair of copies is never further apart there than the rounding threshold plus the sums' rounding
+    (``SKETCH_SLACK``); updates that are merely close are measured by differences, as in
+    :func:`near_duplicates`, and far ones never. The same groups as from the Gram matrix, without its
+    n^2 d products."""
+    n = x.shape[0]
+    if n < 2:
+        return Groups.singletons(n)
+    sketch, norms = sketch.to(torch.float64).cpu(), norms.to(torch.float64).cpu()
+    limit = _floor(x.dtype, norms)
+    eps = torch.finfo(x.dtype).eps
+    reach = limit.sqrt() + SKETCH_SLACK * eps * (norms[:, None] + norms[None, :])
+    sq = (sketch * sketch).sum(1)
+    near = (sq[:, None] + sq[None, :] - 2 * sketch @ sketch.T).clamp_min(0)
+    rounding = 64 * torch.finfo(torch.float64).eps * (sq[:, None] + sq[None, :])  # float64 cancellation
+    return _link(x, near <= reach**2 + rounding, limit, None, 0.0)
+
+
+def _floor(dtype: torch.dtype, norms: torch.Tensor) -> torch.Tensor:
+    """(n, n) squared distances within the dtype's rounding: ``FLOOR_ULPS`` units in the last place per
+    coordinate, relative to the larger of the two norms."""
+    big = torch.maximum(norms[:, None], norms[None, :]) ** 2
+    return (FLOOR_ULPS * torch.finfo(dtype).eps) ** 2 * big
+
+
+def _link(
+    x: torch.Tensor,
+    candidate: torch.Tensor,
+    limit: torch.Tensor,
+    spread: torch.Tensor | None,
+    relative: float,
+) -> Groups:
+    """The groups: connected components of the ``candidate`` pairs (n, n) whose squared distance, measured
+    by explicit differences (exact copies give 0), is at most ``limit`` (n, n). Pairs are tried in
+    row-major order, skipping those already joined, so any candidate set that holds every linking pair
+    gives the same groups and reasons."""
+    n = x.shape[0]
     parent = list(range(n))
 
     def root(i: int) -> int:
@@ -191,11 +244,11 @@ def near_duplicates(
         return i
 
     linked: dict[tuple[int, int], float] = {}
-    for i, j in torch.nonzero(candidate).tolist():
+    for i, j in torch.nonzero(torch.triu(candidate, 1)).tolist():
         if root(i) == root(j):  # already one group: k copies take k - 1 checks, not k (k - 1) / 2
             continue
         exact = float(row_norms((x[i] - x[j])[None])[0]) ** 2  # by differences: exact copies give 0
-        if exact <= max(float(tol[i, j]), float(floor[i, j])):
+        if exact <= float(limit[i, j]):
             linked[(i, j)] = exact
             parent[root(j)] = root(i)
     if not linked:
@@ -204,6 +257,7 @@ def near_duplicates(
     for i in range(n):
         by_root.setdefault(root(i), []).append(i)
     members = tuple(tuple(m) for m in sorted(by_root.values()))
+    dtype = str(x.dtype).removeprefix("torch.")
     reasons = {}
     for g, group in enumerate(members):
         if len(group) < 2:
@@ -211,12 +265,17 @@ def near_duplicates(
         largest = max(v for (i, j), v in linked.items() if i in group)
         if largest == 0.0:
             reasons[g] = f"{len(group)} identical updates share one vote"
+        elif spread is None or relative == 0:
+            reasons[g] = (
+                f"{len(group)} near-identical updates share one vote (linked at distance up to "
+                f"{math.sqrt(largest):.3g}, within {dtype} rounding)"
+            )
         else:
             scale = float(spread[list(group)].max().sqrt())
             reasons[g] = (
                 f"{len(group)} near-identical updates share one vote (linked at distance up to "
                 f"{math.sqrt(largest):.3g}, at most {math.sqrt(relative):.2g} x their median distance to the "
-                f"others, up to {scale:.3g}, or within {str(x.dtype).removeprefix('torch.')} rounding)"
+                f"others, up to {scale:.3g}, or within {dtype} rounding)"
             )
     return Groups(members, reasons, n)
 
@@ -228,7 +287,11 @@ def all_identical(x: torch.Tensor) -> bool:
 
 
 def find_groups(x: torch.Tensor, norms: torch.Tensor | None = None, relative: float = RELATIVE) -> Groups:
-    """The near-duplicate groups among the rows of ``x`` (a round's updates), from one Gram matrix;
-    ``norms``: the rows' norms when known (else the Gram matrix's)."""
-    sq_dist, gram_norms = pairwise_sq_distances(x)
-    return near_duplicates(x, sq_dist, gram_norms if norms is None else norms, relative)
+    """The near-duplicate groups among the rows of ``x`` (a round's updates): from one sketching pass
+    (:func:`sketched_duplicates`) for copies to the rounding, from one Gram matrix when ``relative`` > 0;
+    ``norms``: the rows' norms when known."""
+    if relative > 0:
+        sq_dist, gram_norms = pairwise_sq_distances(x)
+        return near_duplicates(x, sq_dist, gram_norms if norms is None else norms, relative)
+    own, sketch = norms_and_sketch(x, SKETCH_WIDTH)
+    return sketched_duplicates(x, sketch, own if norms is None else norms)

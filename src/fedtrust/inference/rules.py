@@ -47,8 +47,7 @@ import torch
 from fedtrust._checks import check_choice, check_float, check_int, check_tol
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round, RoundRefused
-from fedtrust.aggregators.distances import pairwise_sq_distances
-from fedtrust.aggregators.passes import row_norms
+from fedtrust.aggregators.passes import norms_and_sketch, row_norms
 from fedtrust.aggregators.screening import FirstPass
 from fedtrust.aggregators.state import (
     ClientId,
@@ -65,7 +64,7 @@ from fedtrust.aggregators.state import (
     symmetric_positive_definite,
     symmetric_positive_semidefinite,
 )
-from fedtrust.aggregators.sybils import Groups, all_identical, near_duplicates
+from fedtrust.aggregators.sybils import SKETCH_WIDTH, Groups, all_identical, sketched_duplicates
 from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, latent_init
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
 from fedtrust.inference.result import ConvergenceWarning
@@ -122,8 +121,10 @@ def _trust(coefficients: torch.Tensor) -> torch.Tensor:
 
 class _WindowRule(BaseRule):
     """Shared window bookkeeping: ``window`` rounds (this one included) inform each client's estimates.
-    The first pass is the Gram matrix that finds the near-duplicate groups (``sybils="share"``), or the
-    updates' norms alone (``"off"``); the window state changes only once the estimator returns.
+    The first pass takes the updates' norms and, with ``sybils="share"``, their sketch, from which the
+    near-duplicate groups are found (:func:`~fedtrust.aggregators.sybils.sketched_duplicates`): the same
+    norms either way, so a round without copies gives the same numbers shared or not. The window state
+    changes only once the estimator returns.
 
     The state is a plain tree (what ``state_dict`` returns and ``load_state_dict`` checks against
     ``_state_spec``): "history", the earlier rounds of the window, oldest first, each a record of that
@@ -175,7 +176,8 @@ class _WindowRule(BaseRule):
     def first_pass(self, round: Round) -> FirstPass:
         if self.sybils == "off":
             return FirstPass(None, row_norms(round.updates))
-        return FirstPass(*pairwise_sq_distances(round.updates))
+        norms, sketch = norms_and_sketch(round.updates, SKETCH_WIDTH)
+        return FirstPass(sketch, norms)
 
     def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
         groups = self._groups(round, first)
@@ -227,14 +229,14 @@ class _WindowRule(BaseRule):
         return res
 
     def _groups(self, round: Round, first: FirstPass) -> Groups:
-        """This round's groups of near-duplicate updates (from the first pass's distances). With
+        """This round's groups of near-duplicate updates (from the first pass's sketch). With
         ``sybils="off"`` every client is its own group, unless all the updates are identical (one group:
         a degenerate round)."""
         if self.sybils == "off":
             if round.n > 1 and all_identical(round.updates):
                 return Groups.one(round.n, f"{round.n} identical updates")
             return Groups.singletons(round.n)
-        return near_duplicates(round.updates, first.value, first.norms)
+        return sketched_duplicates(round.updates, first.value, first.norms)
 
     def _share_info(self, round: Round, groups: Groups) -> dict:
         return {} if self.sybils == "off" else {"groups": groups.info(round.client_ids)}
