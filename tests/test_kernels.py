@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from test_rule_properties import OPTIONS, PERMUTATION_TOL, Benchmark
 
 from fedtrust import Round, available, rule
-from fedtrust.aggregators import chunks, order_stats, rank_windows
+from fedtrust.aggregators import chunks, order_stats, passes, rank_windows
 from fedtrust.aggregators.bulyan import closest_to_median, closest_to_median_by_sort
 from fedtrust.aggregators.chunks import column_blocks
 from fedtrust.aggregators.distances import pairwise_sq_distances, row_gram
@@ -191,32 +191,53 @@ def test_sorted_columns_on_both_paths_leaves_the_input_alone(n):
     np.testing.assert_array_equal(x, before)
 
 
+def batched_products(monkeypatch, threads: int = 3) -> None:
+    """Make the passes batch their matrix-vector products over ``threads`` blocks even for small ones."""
+    monkeypatch.setattr(passes, "ALIGN", 8)
+    monkeypatch.setattr(passes, "batch_size", lambda x: threads)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["block by block", "batched"])
 @pytest.mark.parametrize("common", [0.0, 1e4], ids=["deltas", "raw parameters"])
 @pytest.mark.parametrize("shape", [(9, 1000), (3, 5, 1000)], ids=["points", "tasks"])
-def test_combination_passes_give_exact_distances(common, shape, monkeypatch):
+def test_combination_passes_give_exact_distances(common, shape, batched, monkeypatch):
     """The fused pass's expansion ||x||^2 - 2 x.z + ||z||^2 matches explicit float64 differences, also when
     every point shares a large common component (the expansion cancels: those distances are redone), with
-    an offset, and with the step from a previous combination; chunked as one shot."""
+    an offset, and with the step from a previous combination; chunked as one shot; with the blocks'
+    products one block at a time or batched over the threads (groups of 3 blocks, then the rest)."""
     monkeypatch.setitem(chunks.BUDGETS, "cached", 4 * 3 * 9 * 7)  # several chunks, the last one short
+    if batched:
+        batched_products(monkeypatch)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(*shape, generator=g) + common
     x[..., 0, :] *= 50  # an outlier
     w = torch.rand(*shape[:-1], generator=g, dtype=torch.float64)
     w /= w.sum(-1, keepdim=True)
     offset = torch.randn(*shape[:-2], shape[-1], generator=g)
-    passes = CombinationPasses(x)
+    fused = CombinationPasses(x)
     x64 = x.double()
-    first, _, _ = passes(w)
-    z, sq, step = passes(w, offset=offset, previous=first)
+    first, _, _ = fused(w)
+    z, sq, step = fused(w, offset=offset, previous=first)
     want = torch.einsum("...jk,...j->...k", x64, w) + offset.double()
     torch.testing.assert_close(z.double(), want, rtol=1e-5, atol=1e-4 * (1 + common))
     torch.testing.assert_close(sq, (x64 - z.double().unsqueeze(-2)).square().sum(-1), rtol=1e-4, atol=1e-3)
     assert step == pytest.approx(float((z.double() - first.double()).norm()), rel=1e-5)
-    torch.testing.assert_close(passes.norms(), x64.norm(dim=-1), rtol=1e-6, atol=0)
-    _, to_point, _ = passes(None, offset=offset)  # distances to a given point
+    torch.testing.assert_close(fused.norms(), x64.norm(dim=-1), rtol=1e-6, atol=0)
+    _, to_point, _ = fused(None, offset=offset)  # distances to a given point
     torch.testing.assert_close(
         to_point, (x64 - offset.double().unsqueeze(-2)).square().sum(-1), rtol=1e-4, atol=1e-3
     )
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("d", [5, 24, 29, 1000])
+def test_the_weighted_sum_covers_every_column_once_however_it_is_cut(threads, d, monkeypatch):
+    """One product per thread over aligned runs of columns, the rest in one more: every column summed once,
+    to float32 rounding of the float64 sum, whatever the thread count and the width."""
+    batched_products(monkeypatch, threads)
+    g = torch.Generator().manual_seed(d)
+    x, w = torch.randn(7, d, generator=g), torch.rand(7, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(passes.weighted_sum(x, w).double(), w @ x.double(), rtol=1e-6, atol=1e-6)
 
 
 def test_a_rounds_norms_are_taken_once_and_follow_a_selection():

@@ -43,14 +43,44 @@ def norms_and_sketch(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.T
     return sq.sqrt(), torch.cat(parts, 1)
 
 
+#: Column runs handed to the threads of one batched product start at multiples of this many columns, so
+#: a matrix-vector product's vector loops meet every column as they would in one call (the same sums, to
+#: the bit; the run boundaries are at most ALIGN * threads columns from the end).
+ALIGN = 4096
+
+
+def batch_size(x: torch.Tensor) -> int:
+    """How many column blocks of ``x`` one batched product takes: torch's thread count on the CPU, whose
+    matrix-vector products (BLAS gemv) may run on one core (MKL's on an AMD EPYC do: a pass of them ran at
+    half a 2-core machine's bandwidth), while a batch of them is shared among torch's threads; 1 on a
+    device, whose single product already fills it."""
+    return torch.get_num_threads() if x.device.type == "cpu" else 1
+
+
+def columns(x: torch.Tensor, start: int, count: int, width: int) -> torch.Tensor:
+    """(count, n, width) view of ``count`` consecutive runs of ``width`` columns of (n, d) ``x``."""
+    return x[:, start : start + count * width].unflatten(1, (count, width)).transpose(0, 1)
+
+
 def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``sum_i w_i x_i`` as one matrix-vector product (a single pass over ``x``)."""
-    return w.to(x.dtype) @ x
+    """``sum_i w_i x_i``, a single pass over ``x``: one matrix-vector product per thread over its run of
+    columns (:func:`batch_size`, as one batched product), the columns left over in one more."""
+    w, (n, d) = w.to(x.dtype), x.shape
+    out = torch.empty(d, dtype=x.dtype, device=x.device)
+    k = batch_size(x)
+    width = ALIGN * (d // (ALIGN * k))
+    if k > 1 and width:
+        torch.bmm(w.expand(k, 1, n), columns(x, 0, k, width), out=out[: k * width].view(k, 1, width))
+    else:
+        k = width = 0
+    torch.mv(x[:, k * width :].T, w, out=out[k * width :])
+    return out
 
 
 class CombinationPasses:
     """Repeated "combine, then every point's distance to the combination" passes over one data set: the
-    Weiszfeld steps of the geometric median, centred clipping, IVAR-MLE's iterations.
+    Weiszfeld steps of the geometric median, centred clipping, IVAR-MLE's iterations. On the CPU the
+    blocks' matrix-vector products go as batched products of one block per thread (:func:`batch_size`).
 
     x: (n, d), or (I, J, K) for I independent groups of J points (tasks of the inference module). Each
     call is one fused pass: per cache-sized chunk of coordinates, z = offset + sum_j w_j x_j (one
@@ -74,6 +104,16 @@ class CombinationPasses:
         # (I, J) float64 squared norms, given or from the first pass
         self.sq_norms = None if norms is None else norms.to(torch.float64).square().reshape(i, j)
         self.blocks = column_blocks(self.x, "cached")  # read twice: the second time from cache
+
+    def _batches(self) -> list[tuple[int, int]]:
+        """(first block, count) of the groups of blocks one pass takes at once: runs of up to
+        :func:`batch_size` blocks of equal width for points (n, d) in blocks of at least ``ALIGN``
+        columns; otherwise one block at a time."""
+        width = self.blocks[0].stop - self.blocks[0].start
+        full = [b.stop - b.start for b in self.blocks].count(width)
+        k = batch_size(self.x) if self.flat and width >= ALIGN else 1
+        out = [(b, min(k, full - b)) for b in range(0, full, k)]
+        return out + [(b, 1) for b in range(full, len(self.blocks))]
 
     def norms(self) -> torch.Tensor:
         """(n,) or (I, J) float64 norms of the points (:func:`row_norms`): one pass the first time unless
@@ -105,26 +145,39 @@ class CombinationPasses:
         dots, z_sq = torch.empty(parts, i, j, **like), torch.empty(parts, i, **like)
         norms = torch.empty(parts, i, j, **like) if self.sq_norms is None else None
         steps = torch.zeros(parts, **like)
-        for b, cols in enumerate(self.blocks):
-            c, zc = x[:, :, cols], z[:, cols]
-            if w is None:
-                zc.copy_(offset[:, cols])
-            elif i == 1:
-                torch.mv(c[0].T, w[0], out=zc[0])
-            else:
-                zc.copy_(torch.einsum("ijk,ij->ik", c, w))
-            if w is not None and offset is not None:
-                zc += offset[:, cols]
-            if i == 1:
-                torch.mv(c[0], zc[0], out=dots[b, 0])
-                torch.dot(zc[0], zc[0], out=z_sq[b, 0])
-            else:
-                torch.bmm(c, zc[:, :, None], out=dots[b, :, :, None])
-                torch.linalg.vector_norm(zc, dim=1, out=z_sq[b]).square_()
-            if norms is not None:
-                torch.linalg.vector_norm(c, dim=-1, out=norms[b])
-            if previous is not None:
-                steps[b] = torch.linalg.vector_norm(zc - previous[:, cols])
+        for first, count in self._batches():
+            group = self.blocks[first : first + count]
+            if count > 1:  # the group's matrix-vector products as one batched product each (batch_size)
+                lo, width = group[0].start, group[0].stop - group[0].start
+                cb = columns(x[0], lo, count, width)
+                zb = z[0, lo : lo + count * width].view(count, 1, width)
+                if w is not None:
+                    torch.bmm(w[0].expand(count, 1, j), cb, out=zb)
+            for cols in group:
+                c, zc = x[:, :, cols], z[:, cols]
+                if w is None:
+                    zc.copy_(offset[:, cols])
+                elif i > 1:
+                    zc.copy_(torch.einsum("ijk,ij->ik", c, w))
+                elif count == 1:
+                    torch.mv(c[0].T, w[0], out=zc[0])
+                if w is not None and offset is not None:
+                    zc += offset[:, cols]
+            if count > 1:
+                torch.bmm(zb, cb.transpose(1, 2), out=dots[first : first + count])
+            for b, cols in enumerate(group, first):
+                c, zc = x[:, :, cols], z[:, cols]
+                if i == 1:
+                    if count == 1:
+                        torch.mv(c[0], zc[0], out=dots[b, 0])
+                    torch.dot(zc[0], zc[0], out=z_sq[b, 0])
+                else:
+                    torch.bmm(c, zc[:, :, None], out=dots[b, :, :, None])
+                    torch.linalg.vector_norm(zc, dim=1, out=z_sq[b]).square_()
+                if norms is not None:
+                    torch.linalg.vector_norm(c, dim=-1, out=norms[b])
+                if previous is not None:
+                    steps[b] = torch.linalg.vector_norm(zc - previous[:, cols])
         if norms is not None:
             self.sq_norms = norms.to(torch.float64).square().sum(0)
         dots, z_sq = dots.to(torch.float64).sum(0), z_sq.to(torch.float64).sum(0)[:, None]
