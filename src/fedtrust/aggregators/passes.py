@@ -107,11 +107,11 @@ class CombinationPasses:
 
     def _batches(self) -> list[tuple[int, int]]:
         """(first block, count) of the groups of blocks one pass takes at once: runs of up to
-        :func:`batch_size` blocks of equal width for points (n, d) in blocks of at least ``ALIGN``
-        columns; otherwise one block at a time."""
+        :func:`batch_size` blocks of equal width for points (n, d) or one task (IVAR-MLE's round), in
+        blocks of at least ``ALIGN`` columns; otherwise one block at a time."""
         width = self.blocks[0].stop - self.blocks[0].start
         full = [b.stop - b.start for b in self.blocks].count(width)
-        k = batch_size(self.x) if self.flat and width >= ALIGN else 1
+        k = batch_size(self.x) if self.x.shape[0] == 1 and width >= ALIGN else 1
         out = [(b, min(k, full - b)) for b in range(0, full, k)]
         return out + [(b, 1) for b in range(full, len(self.blocks))]
 
