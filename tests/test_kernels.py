@@ -238,6 +238,8 @@ def test_the_weighted_sum_covers_every_column_once_however_it_is_cut(threads, d,
     g = torch.Generator().manual_seed(d)
     x, w = torch.randn(7, d, generator=g), torch.rand(7, generator=g, dtype=torch.float64)
     torch.testing.assert_close(passes.weighted_sum(x, w).double(), w @ x.double(), rtol=1e-6, atol=1e-6)
+    both = torch.stack([w, w.flip(0)])  # several sums at once
+    torch.testing.assert_close(passes.weighted_sum(x, both).double(), both @ x.double(), rtol=1e-6, atol=1e-6)
 
 
 def test_a_rounds_norms_are_taken_once_and_follow_a_selection():

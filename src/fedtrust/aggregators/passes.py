@@ -64,8 +64,11 @@ def columns(x: torch.Tensor, start: int, count: int, width: int) -> torch.Tensor
 
 def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``sum_i w_i x_i``, a single pass over ``x``: one matrix-vector product per thread over its run of
-    columns (:func:`batch_size`, as one batched product), the columns left over in one more."""
+    columns (:func:`batch_size`, as one batched product), the columns left over in one more. ``w`` (m, n)
+    gives the m weighted sums (m, d), one matrix product."""
     w, (n, d) = w.to(x.dtype), x.shape
+    if w.dim() != 1:
+        return w @ x
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     k = batch_size(x)
     width = ALIGN * (d // (ALIGN * k))
