@@ -382,3 +382,23 @@ def test_a_batch_norm_model_federates_its_running_statistics_and_keeps_its_integ
         return model.evaluate(ArrayLayout(arrays).flatten(arrays), DIGITS.x_test, DIGITS.y_test)["accuracy"]
 
     assert score(result.arrays) > 0.8 > score(start) + 0.5
+
+
+def test_a_round_waits_for_the_minimum_nodes_before_it_sizes_its_sample(monkeypatch):
+    """Flower's FedAvg sizes the sample from the nodes connected before it waits for min_available_nodes
+    (two of four SuperNodes up: two sampled, the other two miss the round); the strategy waits first, so
+    fraction_train=1.0 trains every node it waited for, in the first round too."""
+    grid = federation()
+    late = {102, 103}
+    grid.offline |= late
+    waits = []
+
+    def sleep(seconds):  # the late nodes connect while the strategy waits
+        waits.append(seconds)
+        grid.offline -= late
+
+    monkeypatch.setattr("time.sleep", sleep)
+    monkeypatch.setattr("flwr.serverapp.strategy.strategy_utils.sleep", sleep)  # Flower's own wait
+    strategy = TrustStrategy(rule="mean", fraction_evaluate=0.0, min_available_nodes=4)
+    strategy.start(grid=grid, initial_arrays=initial(), num_rounds=1)
+    assert waits and len(strategy.trust(0)) == 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from logging import INFO, WARNING
@@ -274,10 +275,23 @@ class TrustStrategy(FedAvg):
         t = server_round + self._offset
         self.layout = self.layout or ArrayLayout(arrays)  # start's; one built here for a loop of one's own
         self.global_vector = self.layout.flatten(arrays)
+        self._await_nodes(grid)
         messages = list(super().configure_train(t, arrays, config, grid))
         if self.initial_report and hasattr(self.rule, "observe") and not self._observed and messages:
             self._report_all(arrays, grid)
         return self._with_posterior(messages)
+
+    def _await_nodes(self, grid: Grid) -> None:
+        """Wait until ``min_available_nodes`` are connected. Flower's FedAvg sizes its sample from the
+        nodes connected *before* it waits for them (flwr 1.41 ``configure_train``: ``fraction_train=1.0``
+        with two of four SuperNodes up sampled two, and the other two missed the round); waiting first
+        makes the fraction one of the nodes it then samples from."""
+        waited = False
+        while (connected := len(list(grid.get_node_ids()))) < self.min_available_nodes:
+            if not waited:
+                log(INFO, "Waiting for %d nodes to connect (%d so far)", self.min_available_nodes, connected)
+            waited = True
+            time.sleep(1)
 
     def _with_posterior(self, messages: list[Message]) -> list[Message]:
         if self.posterior_var is not None and self.layout is not None:
@@ -408,6 +422,8 @@ class TrustStrategy(FedAvg):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        if self.fraction_evaluate > 0:
+            self._await_nodes(grid)
         return self._with_posterior(list(super().configure_evaluate(server_round + self._offset, arrays,
                                                                     config, grid)))  # fmt: skip
 
