@@ -402,3 +402,16 @@ def test_a_round_waits_for_the_minimum_nodes_before_it_sizes_its_sample(monkeypa
     strategy = TrustStrategy(rule="mean", fraction_evaluate=0.0, min_available_nodes=4)
     strategy.start(grid=grid, initial_arrays=initial(), num_rounds=1)
     assert waits and len(strategy.trust(0)) == 4
+
+
+def test_a_strategy_that_trains_no_one_waits_for_no_one(monkeypatch):
+    """fraction_train=0.0 (evaluation only): FedAvg samples no node and waits for none, nor does the
+    strategy, however many nodes min_available_nodes asks for."""
+
+    def sleep(seconds):
+        raise AssertionError("waited for nodes with fraction_train=0.0")
+
+    monkeypatch.setattr("time.sleep", sleep)
+    monkeypatch.setattr("flwr.serverapp.strategy.strategy_utils.sleep", sleep)
+    strategy = TrustStrategy(rule="mean", fraction_train=0.0, fraction_evaluate=0.0, min_available_nodes=5)
+    strategy.start(grid=federation(), initial_arrays=initial(), num_rounds=1)

@@ -199,7 +199,9 @@ def batched_products(monkeypatch, threads: int = 3) -> None:
 
 @pytest.mark.parametrize("batched", [False, True], ids=["block by block", "batched"])
 @pytest.mark.parametrize("common", [0.0, 1e4], ids=["deltas", "raw parameters"])
-@pytest.mark.parametrize("shape", [(9, 1000), (3, 5, 1000)], ids=["points", "tasks"])
+@pytest.mark.parametrize(
+    "shape", [(9, 1000), (1, 9, 1000), (3, 5, 1000)], ids=["points", "one task", "tasks"]
+)
 def test_combination_passes_give_exact_distances(common, shape, batched, monkeypatch):
     """The fused pass's expansion ||x||^2 - 2 x.z + ||z||^2 matches explicit float64 differences, also when
     every point shares a large common component (the expansion cancels: those distances are redone), with

@@ -332,7 +332,9 @@ def _structured_round(seed: int, dtype: torch.dtype, shift: float, d: int) -> to
     rows.append(
         torch.where(flip, torch.nextafter(nudged, torch.full_like(nudged, math.inf)), nudged).double()
     )
-    direction = torch.randn(d, generator=g, dtype=torch.float64)
+    # constant over aligned runs of 16 coordinates (the sketch's runs in the test, or halves of them): the
+    # sketch sees the whole displacement, so only its margin keeps the pairs at 0.99 candidates
+    direction = torch.randn(-(-d // 16), generator=g, dtype=torch.float64).repeat_interleave(16)[:d]
     direction /= direction.norm()
     for i, c in enumerate([0.5, 0.99, 1.01, 2.0]):
         rows.append(x[2 + i] + c * sybils.FLOOR_ULPS * eps * x[2 + i].norm() * direction)
@@ -399,3 +401,14 @@ def test_a_round_without_copies_gives_the_same_numbers_shared_or_not(name):
     assert shared.info["groups"] == []
     torch.testing.assert_close(shared.vector, off.vector, rtol=0, atol=0)
     torch.testing.assert_close(shared.weights, off.weights, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("scale", [1e-161, 1e-159, 1.0, 1.2e152])  # norms up to 1.2e154 (the limit 1.34e154)
+def test_copies_are_found_at_any_magnitude_the_screen_lets_through(scale, seed):
+    """float64 rows near underflow or near the screen's overflow limit: exact copies are one group, the
+    others their own (the sketch's distances are explicit differences, which neither cancel nor
+    overflow for copies)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(3, 10_000, generator=g, dtype=torch.float64) * scale)[[0, 0, 1, 2]]
+    assert find_groups(x).members == ((0, 1), (2,), (3,))

@@ -40,7 +40,7 @@ def norms_and_sketch(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.T
             parts[-1] /= math.sqrt(width)
         if (rest := block.shape[1] - runs * width) > 0:
             parts.append(block[:, runs * width :].sum(-1, keepdim=True).to(torch.float64) / math.sqrt(rest))
-    return sq.sqrt(), torch.cat(parts, 1)
+    return sq.sqrt(), torch.cat(parts, 1) if parts else x.new_zeros(n, 0, dtype=torch.float64)
 
 
 #: Column runs handed to the threads of one batched product start at multiples of this many columns, so
@@ -67,8 +67,8 @@ def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     columns (:func:`batch_size`, as one batched product), the columns left over in one more. ``w`` (m, n)
     gives the m weighted sums (m, d), one matrix product."""
     w, (n, d) = w.to(x.dtype), x.shape
-    if w.dim() != 1:
-        return w @ x
+    if w.dim() != 1 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return w @ x  # (products with out= do not differentiate)
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     k = batch_size(x)
     width = ALIGN * (d // (ALIGN * k))
@@ -112,6 +112,8 @@ class CombinationPasses:
         """(first block, count) of the groups of blocks one pass takes at once: runs of up to
         :func:`batch_size` blocks of equal width for points (n, d) or one task (IVAR-MLE's round), in
         blocks of at least ``ALIGN`` columns; otherwise one block at a time."""
+        if not self.blocks:
+            return []
         width = self.blocks[0].stop - self.blocks[0].start
         full = [b.stop - b.start for b in self.blocks].count(width)
         k = batch_size(self.x) if self.x.shape[0] == 1 and width >= ALIGN else 1

@@ -210,10 +210,9 @@ def sketched_duplicates(x: torch.Tensor, sketch: torch.Tensor, norms: torch.Tens
     limit = _floor(x.dtype, norms)
     eps = torch.finfo(x.dtype).eps
     reach = limit.sqrt() + SKETCH_SLACK * eps * (norms[:, None] + norms[None, :])
-    sq = (sketch * sketch).sum(1)
-    near = (sq[:, None] + sq[None, :] - 2 * sketch @ sketch.T).clamp_min(0)
-    rounding = 64 * torch.finfo(torch.float64).eps * (sq[:, None] + sq[None, :])  # float64 cancellation
-    return _link(x, near <= reach**2 + rounding, limit, None, 0.0)
+    # by explicit differences (no expansion to cancel, underflow or overflow: exact copies are 0 apart)
+    near = torch.cdist(sketch, sketch, compute_mode="donot_use_mm_for_euclid_dist")
+    return _link(x, near <= reach * (1 + 1e-9), limit, None, 0.0)
 
 
 def _floor(dtype: torch.dtype, norms: torch.Tensor) -> torch.Tensor:

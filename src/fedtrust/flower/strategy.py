@@ -275,7 +275,8 @@ class TrustStrategy(FedAvg):
         t = server_round + self._offset
         self.layout = self.layout or ArrayLayout(arrays)  # start's; one built here for a loop of one's own
         self.global_vector = self.layout.flatten(arrays)
-        self._await_nodes(grid)
+        if self.fraction_train > 0:  # (FedAvg samples no one then, and waits for no one)
+            self._await_nodes(grid)
         messages = list(super().configure_train(t, arrays, config, grid))
         if self.initial_report and hasattr(self.rule, "observe") and not self._observed and messages:
             self._report_all(arrays, grid)
