@@ -5,42 +5,45 @@ own device and dtype, in column blocks (:mod:`~fedtrust.aggregators.chunks`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from fedtrust.aggregators.chunks import column_blocks
 
 
-def row_norms(x: torch.Tensor) -> torch.Tensor:
+def row_norms(x: torch.Tensor, each_block: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
     """float64 Euclidean norms over the last dimension of ``x`` ((n, d) -> (n,), (I, J, K) -> (I, J)):
     float32 norms per column chunk (one vectorised kernel, no temporary) summed in float64; one float32
-    norm over 1e7 entries at once is off by up to 4e-4. A chunk whose norm overflows the dtype gives inf."""
+    norm over 1e7 entries at once is off by up to 4e-4. A chunk whose norm overflows the dtype gives inf.
+    ``each_block``: called with every chunk too, while it is in cache (:func:`norms_and_sketch`)."""
     sq = torch.zeros(x.shape[:-1], dtype=torch.float64, device=x.device)
     for cols in column_blocks(x, "stream"):
         sq += torch.linalg.vector_norm(x[..., cols], dim=-1).to(torch.float64).square()
+        if each_block is not None:
+            each_block(x[..., cols])
     return sq.sqrt()
 
 
 def norms_and_sketch(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (n,) norms of the rows of an (n, d) ``x`` exactly as :func:`row_norms` takes them, and in the
+    """The (n,) norms of the rows of an (n, d) ``x`` (:func:`row_norms` itself takes them), and in the
     same pass (each column block still in cache) their (n, k) float64 sketch: each row's sum over
     consecutive runs of ``width`` coordinates (a block's last run may be shorter), divided by the square
     root of the run's length. The runs are disjoint, so the sketch is an orthonormal projection of the rows:
     two sketches are never further apart than the rows they sketch (up to the sums' float rounding, about
     eps times the row's norm)."""
-    n = x.shape[0]
-    sq = torch.zeros(n, dtype=torch.float64, device=x.device)
-    parts = []
-    for cols in column_blocks(x, "stream"):
-        block = x[:, cols]
-        sq += torch.linalg.vector_norm(block, dim=-1).to(torch.float64).square()
+    parts: list[torch.Tensor] = []
+
+    def sketch(block: torch.Tensor) -> None:
         runs = block.shape[1] // width
         if runs:
             parts.append(block[:, : runs * width].unflatten(1, (runs, width)).sum(-1).to(torch.float64))
             parts[-1] /= math.sqrt(width)
         if (rest := block.shape[1] - runs * width) > 0:
             parts.append(block[:, runs * width :].sum(-1, keepdim=True).to(torch.float64) / math.sqrt(rest))
-    return sq.sqrt(), torch.cat(parts, 1) if parts else x.new_zeros(n, 0, dtype=torch.float64)
+
+    norms = row_norms(x, sketch)
+    return norms, torch.cat(parts, 1) if parts else x.new_zeros(x.shape[0], 0, dtype=torch.float64)
 
 
 #: Column runs handed to the threads of one batched product start at multiples of this many columns, so

@@ -275,18 +275,20 @@ class TrustStrategy(FedAvg):
         t = server_round + self._offset
         self.layout = self.layout or ArrayLayout(arrays)  # start's; one built here for a loop of one's own
         self.global_vector = self.layout.flatten(arrays)
-        if self.fraction_train > 0:  # (FedAvg samples no one then, and waits for no one)
-            self._await_nodes(grid)
+        self._await_nodes(grid, self.fraction_train)
         messages = list(super().configure_train(t, arrays, config, grid))
         if self.initial_report and hasattr(self.rule, "observe") and not self._observed and messages:
             self._report_all(arrays, grid)
         return self._with_posterior(messages)
 
-    def _await_nodes(self, grid: Grid) -> None:
-        """Wait until ``min_available_nodes`` are connected. Flower's FedAvg sizes its sample from the
-        nodes connected *before* it waits for them (flwr 1.41 ``configure_train``: ``fraction_train=1.0``
-        with two of four SuperNodes up sampled two, and the other two missed the round); waiting first
-        makes the fraction one of the nodes it then samples from."""
+    def _await_nodes(self, grid: Grid, fraction: float) -> None:
+        """Wait until ``min_available_nodes`` are connected, unless ``fraction`` is 0 (FedAvg samples no
+        one then, and waits for no one). Flower's FedAvg sizes its sample from the nodes connected
+        *before* it waits for them (flwr 1.41 ``configure_train``: ``fraction_train=1.0`` with two of four
+        SuperNodes up sampled two, and the other two missed the round); waiting first makes the fraction
+        one of the nodes it then samples from."""
+        if fraction == 0:
+            return
         waited = False
         while (connected := len(list(grid.get_node_ids()))) < self.min_available_nodes:
             if not waited:
@@ -423,8 +425,7 @@ class TrustStrategy(FedAvg):
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        if self.fraction_evaluate > 0:
-            self._await_nodes(grid)
+        self._await_nodes(grid, self.fraction_evaluate)
         return self._with_posterior(list(super().configure_evaluate(server_round + self._offset, arrays,
                                                                     config, grid)))  # fmt: skip
 
