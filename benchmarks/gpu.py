@@ -149,8 +149,12 @@ def main() -> None:
         raise SystemExit(2)
     device = torch.device(args.device)
     gpu = torch.cuda.get_device_name(device)
-    rows = [row for n in args.n for d in args.d for row in bench(n, int(d), device, args.rules, args.repeat)]
-    write(rows, gpu, args.out, "python benchmarks/gpu.py " + " ".join(sys.argv[1:]))
+    rows = []
+    for n in args.n:
+        for d in args.d:
+            rows += bench(n, int(d), device, args.rules, args.repeat)
+            # after every shape, so a run stopped early keeps the shapes it finished
+            write(rows, gpu, args.out, "python benchmarks/gpu.py " + " ".join(sys.argv[1:]))
     print(f"wrote {args.out.with_suffix('.md')}")
 
 
