@@ -10,6 +10,7 @@ final models agree (checked by ``simulation.py``).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -36,6 +37,14 @@ def simulation():
     return build_simulation(validate(json.loads(os.environ[SPEC])))
 
 
+@cache
+def client_module() -> torch.nn.Module:
+    """The model as Flower's quickstart holds it: an ``nn.Module`` on the clients' device (where the
+    federation's data is), one per process."""
+    sim = simulation()
+    return copy.deepcopy(sim.model.module).to(sim.device)
+
+
 client = ClientApp()
 
 
@@ -45,7 +54,7 @@ def train(msg: Message, context: Context) -> Message:
     k = int(context.node_config["partition-id"])
     t = int(msg.content["config"]["server-round"])
     s = sim.settings
-    module = sim.model.module
+    module = client_module()
     module.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     optimiser = torch.optim.SGD(module.parameters(), lr=s.lr)
     x, y = sim.fed.data[k]

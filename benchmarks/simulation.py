@@ -122,6 +122,7 @@ def run_flower(raw: dict, device: str = "cpu") -> tuple[float, torch.Tensor]:
     from flwr.simulation import run_simulation
 
     flower_app.simulation.cache_clear()
+    flower_app.client_module.cache_clear()
     flower_app.ROUND_ENDS.clear()
     flower_app.FINAL.clear()
     run_simulation(

@@ -18,12 +18,21 @@ def on_cuda(r: Round) -> Round:
                  r.reference, move(r.previous))  # fmt: skip
 
 
+#: Iteration limits under which every round here converges. Two devices round differently, so they agree
+#: at a fixed point, not at an iterate stopped early: ICOV-MLE's default 50 iterations stop short on two
+#: of these rounds (it converges linearly there, in 99 on the float64 one), and on an H200 the two
+#: stopped iterates differed by 0.8% where the CPU's own rounding gives the same iterate.
+CONVERGED = {"icov_mle": {"max_iter": 500}}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize(("name", "options"), CASES, ids=[f"{n}{o or ''}" for n, o in CASES])
 def test_rule_on_cuda_matches_the_cpu(name, options, dtype):
+    options = {**CONVERGED.get(name, {}), **options}
     on_cpu, on_gpu = build(name, options), build(name, options)
     for r in rounds(dtype, copies=True):
         expected, out = on_cpu(r), on_gpu(on_cuda(r))
+        assert expected.info.get("converged", True), f"{name} stopped short on the CPU: raise CONVERGED"
         assert out.vector.is_cuda and out.weights.is_cuda and out.vector.dtype == dtype
         # CUDA's reductions sum in another order than the CPU's: float rounding apart, and an iterative
         # rule may stop a step apart
