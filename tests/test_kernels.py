@@ -15,7 +15,12 @@ from fedtrust.aggregators.bulyan import closest_to_median, closest_to_median_by_
 from fedtrust.aggregators.chunks import column_blocks
 from fedtrust.aggregators.distances import pairwise_sq_distances, row_gram
 from fedtrust.aggregators.passes import CombinationPasses
-from fedtrust.aggregators.rank_windows import rank_window, rank_window_by_sort
+from fedtrust.aggregators.rank_windows import (
+    rank_window,
+    rank_window_by_sort,
+    window_shares,
+    window_slot_sums,
+)
 
 
 @pytest.mark.parametrize("name", available())
@@ -312,6 +317,31 @@ def test_the_torch_path_shares_ties_as_the_cpu_path_does(window):
     torch.testing.assert_close(
         rank_window_by_sort(tied, 3, 4)[1], torch.tensor([0, 0, 0, 0, 1 / 3, 1 / 3, 1 / 3])
     )
+
+
+@given(
+    n=st.integers(1, 12),
+    c=st.integers(1, 60),
+    values=st.integers(1, 6),
+    per_row=st.booleans(),
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_the_torch_paths_slot_count_is_the_tie_rules_sum(n, c, values, per_row, data, dtype):
+    """The device paths count slots in a few boolean passes and share only the rows a tie crosses an edge
+    of: the same slots as sharing every entry (window_shares), windows per row or one for all."""
+    g = torch.Generator().manual_seed(n * 7919 + c * 31 + values)
+    t = torch.randint(0, values, (c, n), generator=g).to(dtype)  # few distinct values: ties cross edges
+    ordered = t.sort(dim=1).values
+    if per_row:
+        width = data.draw(st.integers(1, n))
+        lo = torch.randint(0, n - width + 1, (c, 1), generator=g)
+        lo_hi = (lo, lo + width)
+    else:
+        lo = data.draw(st.integers(0, n - 1))
+        lo_hi = (lo, data.draw(st.integers(lo + 1, n)))
+    want = window_shares(t, ordered, *lo_hi).sum(0)
+    torch.testing.assert_close(window_slot_sums(t, ordered, *lo_hi), want, rtol=1e-12, atol=1e-12)
 
 
 def test_bulyans_torch_path_shares_ties_as_the_cpu_path_does():

@@ -11,7 +11,12 @@ from fedtrust.aggregators.core import Aggregate, Round, byzantine_budget, check_
 from fedtrust.aggregators.distances import pairwise_sq_distances
 from fedtrust.aggregators.krum import copies_alike, krum_order
 from fedtrust.aggregators.median import median_window
-from fedtrust.aggregators.rank_windows import map_column_blocks, sorted_columns, window_shares, window_slots
+from fedtrust.aggregators.rank_windows import (
+    map_column_blocks,
+    sorted_columns,
+    window_slot_sums,
+    window_slots,
+)
 from fedtrust.aggregators.screening import FirstPass
 
 
@@ -103,7 +108,7 @@ def closest_to_median(block: np.ndarray, selected: np.ndarray, beta: int) -> tup
 def closest_to_median_by_sort(x: torch.Tensor, selected: torch.Tensor, beta: int):
     """The same with torch ops on x's device: per column, the window of ``beta`` consecutive ranks with
     the least total distance to the median (the first such window, as on the CPU), ties shared as on the
-    CPU (:func:`~fedtrust.aggregators.rank_windows.window_shares`)."""
+    CPU (:func:`~fedtrust.aggregators.rank_windows.window_slot_sums`)."""
     theta = len(selected)
     lo, hi = median_window(theta)
     n, d = x.shape
@@ -120,5 +125,5 @@ def closest_to_median_by_sort(x: torch.Tensor, selected: torch.Tensor, beta: int
         start = torch.argmin(distance[:, beta:] - distance[:, : theta - beta + 1], dim=1)[:, None]
         total = torch.cat([zero, torch.cumsum(ordered.to(f64), dim=1)], dim=1)
         out[cols] = ((total.gather(1, start + beta) - total.gather(1, start)) / beta)[:, 0].to(x.dtype)
-        slots.index_add_(0, selected, window_shares(t, ordered, start, start + beta).sum(0))
+        slots.index_add_(0, selected, window_slot_sums(t, ordered, start, start + beta))
     return out, (slots / slots.sum()).to(x.dtype)

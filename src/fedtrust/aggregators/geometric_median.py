@@ -71,12 +71,15 @@ class GeometricMedian(BaseRule):
         while iterations < self.max_iter:
             beta = alpha / dist.clamp_min(self.nu)
             beta = beta / beta.sum()
-            scale = float(beta @ dist)
+            scale = beta @ dist
             z, sq, step = passes(beta, previous=z)
             dist = sq.sqrt()
             iterations += 1
-            trace.append(float(alpha @ dist))
-            if step <= tol * scale or step <= rounding * float(torch.linalg.vector_norm(z)):
+            # the step's scalars in one read (one sync a step on a GPU)
+            size = torch.linalg.vector_norm(z).to(torch.float64)
+            scale, step, objective, size = torch.stack([scale, step, alpha @ dist, size]).tolist()
+            trace.append(objective)
+            if step <= tol * scale or step <= rounding * size:
                 converged = True
                 break
         info = {

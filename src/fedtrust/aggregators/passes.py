@@ -137,11 +137,11 @@ class CombinationPasses:
         offset: torch.Tensor | None = None,
         previous: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """z = offset + sum_j w_j x_j, the float64 squared distances ||x_j - z||^2 and ||z - previous||
-        (0 without ``previous``), in one pass. Shapes follow x: w (n,) or (I, J), or None for z = offset
-        (distances to a given point); offset, previous and ``out`` (a buffer for z, which must not be
-        ``previous``) (d,) or (I, K)."""
+        (0 without ``previous``; a float64 0-dim tensor, so no caller waits for it unread), in one pass.
+        Shapes follow x: w (n,) or (I, J), or None for z = offset (distances to a given point); offset,
+        previous and ``out`` (a buffer for z, which must not be ``previous``) (d,) or (I, K)."""
         x = self.x
         i, j, k = x.shape
         like = dict(dtype=x.dtype, device=x.device)
@@ -197,7 +197,7 @@ class CombinationPasses:
                 diff = x[:, :, cols] - z[:, None, cols]
                 exact += torch.linalg.vector_norm(diff, dim=-1).to(torch.float64).square()
             sq = torch.where(unresolved, exact, sq)
-        step = float(steps.to(torch.float64).square().sum().sqrt())
+        step = steps.to(torch.float64).square().sum().sqrt()  # a tensor: read it only if you need it
         if self.flat:
             return z[0], sq[0], step
         return z, sq, step

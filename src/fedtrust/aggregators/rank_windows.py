@@ -212,9 +212,39 @@ def window_shares(t: torch.Tensor, ordered: torch.Tensor, lo, hi) -> torch.Tenso
     return out + ((t == high) & (high != low)) * share(high)
 
 
+def window_slot_sums(t: torch.Tensor, ordered: torch.Tensor, lo, hi) -> torch.Tensor:
+    """(n,) float64: ``window_shares(t, ordered, lo, hi).sum(0)``, the way the CPU path counts
+    (:func:`window_slots`): every entry between a row's edge values inclusive is one slot, except on the
+    rows where a value at an edge also lies outside the window, which :func:`window_shares` shares. A
+    few boolean passes and one sync for those rows, instead of float64 shares of every entry."""
+    n = t.shape[1]
+    if not isinstance(lo, torch.Tensor):
+        lo, hi = int(lo), int(hi)
+        low, high = ordered[:, lo : lo + 1], ordered[:, hi - 1 : hi]
+        crossing = torch.zeros(len(t), 1, dtype=torch.bool, device=t.device)
+        if lo > 0:
+            crossing |= ordered[:, lo - 1 : lo] == low
+        if hi < n:
+            crossing |= ordered[:, hi : hi + 1] == high
+    else:
+        low, high = ordered.gather(1, lo), ordered.gather(1, hi - 1)
+        below = ordered.gather(1, (lo - 1).clamp_min(0))
+        above = ordered.gather(1, hi.clamp_max(n - 1))
+        crossing = ((lo > 0) & (below == low)) | ((hi < n) & (above == high))
+    slots = ((t >= low) & (t <= high)).sum(0, dtype=torch.float64)
+    rows = torch.nonzero(crossing[:, 0]).flatten()
+    if len(rows):  # a tie across an edge: those rows' entries share their slots (window_shares)
+        tied = t[rows]
+        slots -= ((tied >= low[rows]) & (tied <= high[rows])).sum(0, dtype=torch.float64)
+        if isinstance(lo, torch.Tensor):
+            lo, hi = lo[rows], hi[rows]
+        slots += window_shares(tied, ordered[rows], lo, hi).sum(0)
+    return slots
+
+
 def rank_window_by_sort(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch path of :func:`rank_window` (any device): a sort per chunk, ties shared as on the CPU
-    (:func:`window_shares`)."""
+    (:func:`window_slot_sums`)."""
     n, d = x.shape
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     slots = torch.zeros(n, dtype=torch.float64, device=x.device)
@@ -222,5 +252,5 @@ def rank_window_by_sort(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor
         t = x[:, cols].T.contiguous()  # (c, n): a row per column
         ordered = t.sort(dim=1).values
         out[cols] = ordered[:, lo:hi].mean(1)
-        slots += window_shares(t, ordered, lo, hi).sum(0)
+        slots += window_slot_sums(t, ordered, lo, hi)
     return out, (slots / slots.sum()).to(x.dtype)
