@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="rounds per run (round 1 is not timed)")
     parser.add_argument("--min-seconds", type=float, default=3.0, help="least timed seconds per fedtrust run")
     parser.add_argument("--no-flower", dest="flower", action="store_false")
+    parser.add_argument("--no-loop", dest="loop", action="store_false", help="skip the per-client loop")
     parser.add_argument("--device", default="cpu", help="fedtrust's device (train.device)")
     parser.add_argument(
         "--flower-devices", nargs="+", default=["cpu"], metavar="DEVICE",
@@ -161,11 +162,13 @@ def main() -> None:
             raw = spec(data, model, args.clients, args.rounds, args.device)
             row = {"data": data, "model": model, "clients": args.clients, "rounds": args.rounds}
             row["batched"], batched_vector = run_fedtrust(raw, "batched", args.min_seconds)
-            row["loop"], _ = run_fedtrust(raw, "loop", args.min_seconds)
+            if args.loop:
+                row["loop"], _ = run_fedtrust(raw, "loop", args.min_seconds)
             row["floor"] = round_floor(raw)
             print(
                 f"{data:14s} {model:8s} fedtrust batched {row['batched']:8.2f} rounds/s, "
-                f"loop {row['loop']:6.2f} rounds/s, floor {row['floor'] * 1e3:.1f} ms/round",
+                f"loop {row.get('loop', float('nan')):6.2f} rounds/s, "
+                f"floor {row['floor'] * 1e3:.1f} ms/round",
                 flush=True,
             )
             if args.flower:
@@ -223,7 +226,8 @@ def write(args, rows: list[dict]) -> None:
             else "- | - | - | - | -"
         )
         lines.append(
-            f"| {r['data']} | {r['model']} | {r['batched']:.2f} | {r['loop']:.2f} | {r['floor'] * 1e3:.1f} "
+            f"| {r['data']} | {r['model']} | {r['batched']:.2f} | {r.get('loop', float('nan')):.2f} "
+            f"| {r['floor'] * 1e3:.1f} "
             f"| {flower} |"
         )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

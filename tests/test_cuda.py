@@ -51,3 +51,27 @@ def test_short_simulation_on_cuda_matches_the_cpu():
     assert sim.vector.is_cuda
     for got, want in zip(records, expected, strict=True):
         assert got["metrics"]["accuracy"] == pytest.approx(want["metrics"]["accuracy"], abs=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("n", [1, 2, 11, 100, 256, 257])
+def test_the_rank_window_kernel_matches_the_torch_path(n, dtype):
+    """The Triton kernel (n <= 256; 257 takes the torch path) gives rank_window_by_sort's values and tie
+    shares, for continuous values, a few distinct ones and a block of copies, contiguous or not."""
+    from fedtrust.aggregators import triton_windows
+    from fedtrust.aggregators.rank_windows import rank_window, rank_window_by_sort
+
+    assert triton_windows.suits(torch.zeros(n, 3, dtype=dtype, device="cuda")) == (n <= 256)
+    g = torch.Generator().manual_seed(n)
+    continuous = torch.randn(n, 5000, generator=g, dtype=dtype)
+    few = torch.randint(0, 3, (n, 5000), generator=g).to(dtype)
+    copies = continuous.clone()
+    copies[-max(1, n // 5) :] = copies[-1]
+    eps = torch.finfo(dtype).eps
+    for x in (continuous, few, copies):
+        for lo, hi in {(0, n), (n // 2, n // 2 + 1), (n // 10, n - n // 10), (0, max(1, n - n // 5))}:
+            for on_gpu in (x.cuda(), x.T.contiguous().T.cuda()):
+                values, weights, _ = rank_window(on_gpu, lo, hi)
+                want_values, want_weights = rank_window_by_sort(x, lo, hi)
+                torch.testing.assert_close(values.cpu(), want_values, rtol=8 * n * eps, atol=8 * n * eps)
+                torch.testing.assert_close(weights.cpu(), want_weights, rtol=16 * eps, atol=16 * eps)

@@ -5,8 +5,8 @@ share its slots evenly, whatever their order (sybils are not told apart by posit
 
 On the CPU, column blocks of the ``"select"`` budget (:mod:`~fedtrust.aggregators.chunks`) go to a
 thread pool, through the compiled kernel (:mod:`~fedtrust.aggregators.order_stats`) or numpy's sort;
-on other devices, a torch sort per block of the ``"stream"`` budget
-(:func:`rank_window_by_sort`)."""
+on CUDA one Triton kernel (:mod:`~fedtrust.aggregators.triton_windows`); on other devices, a torch
+sort per block of the ``"stream"`` budget (:func:`rank_window_by_sort`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from fedtrust.aggregators import order_stats
+from fedtrust.aggregators import order_stats, triton_windows
 from fedtrust.aggregators.chunks import column_blocks
 from fedtrust.aggregators.passes import row_norms
 
@@ -172,7 +172,8 @@ def rank_window(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.
 
     On the CPU cache-sized column blocks go to a thread pool: float32 blocks of up to
     :data:`order_stats.MAX_CLIENTS` rows through the compiled selection network (:mod:`order_stats`),
-    others transposed and sorted with numpy's SIMD sort; on other devices a sort per chunk does it
+    others transposed and sorted with numpy's SIMD sort; on CUDA one Triton kernel
+    (:mod:`~fedtrust.aggregators.triton_windows`); on other devices a sort per chunk
     (:func:`rank_window_by_sort`). Also returns the rows' norms, taken in the same pass
     (:func:`map_column_blocks`; :func:`row_norms` off the CPU): the x may be unscreened, and where a row
     is not finite the values and weights are not meaningful.
@@ -180,6 +181,8 @@ def rank_window(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.
     n, d = x.shape
     if not 0 <= lo < hi <= n:
         raise ValueError(f"rank_window: need 0 <= lo < hi <= n, got lo={lo}, hi={hi}, n={n}")
+    if triton_windows.suits(x):  # CUDA: one kernel sorts in registers
+        return (*triton_windows.rank_window(x, lo, hi), row_norms(x))
     if x.device.type != "cpu":
         return (*rank_window_by_sort(x, lo, hi), row_norms(x))
     return map_column_blocks(x, lambda block: _window_block(block, lo, hi), norms=True)

@@ -1,0 +1,89 @@
+"""The CUDA rank-window kernel (``triton_windows``) gives the torch path's values and slots, ties
+shared the same way, checked in Triton's CPU interpreter where Triton is installed (torch's CUDA builds
+ship it; CI's CPU build does not, and skips). ``test_cuda.py`` runs it on the hardware."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedtrust.aggregators import triton_windows
+from fedtrust.aggregators.rank_windows import rank_window, rank_window_by_sort
+
+if torch.cuda.is_available():  # Triton's interpreter would take over its library for the whole process
+    pytest.skip("CUDA is present: test_cuda.py runs the kernel on the device", allow_module_level=True)
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("Triton is not installed (torch's CPU build lacks it)", allow_module_level=True)
+if "triton" in sys.modules:
+    pytest.skip("Triton was imported before its interpreter could be set", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def interpreter():
+    """Triton's interpreter for this module's tests: set before Triton's first import (its library's
+    functions are jitted at import) and for the kernel's lazy jitting; unset after, so other modules'
+    CPU tensors keep the CPU path."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    triton_windows._kernel.cache_clear()
+    yield
+    del os.environ["TRITON_INTERPRET"]
+    triton_windows._kernel.cache_clear()
+
+
+def check(x: torch.Tensor, lo: int, hi: int) -> None:
+    assert triton_windows.suits(x)
+    values, weights = triton_windows.rank_window(x, lo, hi)
+    want_values, want_weights = rank_window_by_sort(x, lo, hi)
+    eps = torch.finfo(x.dtype).eps
+    torch.testing.assert_close(values, want_values, rtol=8 * x.shape[0] * eps, atol=8 * x.shape[0] * eps)
+    torch.testing.assert_close(weights, want_weights, rtol=16 * eps, atol=16 * eps)
+
+
+@settings(max_examples=25, deadline=None)  # the interpreter takes ~0.4 ms a padded value
+@given(
+    n=st.integers(1, 40),
+    d=st.integers(1, 60),
+    ties=st.sampled_from([0, 2, 5]),
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_the_kernel_gives_the_torch_paths_window(n, d, ties, data, dtype):
+    """Any window, continuous values or a few distinct ones (ties across the edges everywhere)."""
+    lo = data.draw(st.integers(0, n - 1))
+    hi = data.draw(st.integers(lo + 1, n))
+    g = torch.Generator().manual_seed(n * 1009 + d)
+    x = (
+        torch.randn(n, d, generator=g, dtype=dtype)
+        if not ties
+        else torch.randint(0, ties, (n, d), generator=g)
+    )
+    check(x.to(dtype), lo, hi)
+
+
+@pytest.mark.parametrize("n", [100, 256])
+def test_the_kernel_serves_up_to_its_tile_and_copies(n):
+    """The median and a trimmed window of 100 and 256 clients, a group of copies among them, and a
+    transposed (non-contiguous) input."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 24, generator=g)
+    x[-n // 5 :] = x[-1]  # sybils: one vector sent by a fifth of the clients
+    for lo, hi in [(n // 2 - 1, n // 2 + 1), (n // 10, n - n // 10), (0, n - n // 5 + 1)]:
+        check(x, lo, hi)
+    check(x.T.contiguous().T, n // 2 - 1, n // 2 + 1)
+
+
+def test_rank_window_routes_to_the_kernel_and_off_it():
+    x = torch.randn(7, 50, dtype=torch.float64)
+    values, weights, norms = rank_window(x, 3, 4)  # under the interpreter a CPU tensor takes the kernel
+    torch.testing.assert_close(values, x.median(0).values)
+    assert not triton_windows.suits(torch.randn(triton_windows.MAX_CLIENTS + 1, 4))
+    assert not triton_windows.suits(torch.randn(3, 4, dtype=torch.float16))
+    os.environ["FEDTRUST_TRITON"] = "0"
+    try:
+        assert not triton_windows.suits(x)
+    finally:
+        del os.environ["FEDTRUST_TRITON"]
