@@ -113,12 +113,16 @@ def goal(row: dict) -> str:
     return "-" if not checks else ("met" if all(checks) else "missed")
 
 
-def write(rows: list[dict], gpu: str, out: Path, command: str) -> None:
+def write(rows: list[dict], gpu: str, out: Path, command: str, notes=(), versions: str | None = None) -> None:
+    """Results as markdown and JSON; ``notes``: paragraphs under the header; ``versions``: the software's
+    (default: this process's torch and fedtrust)."""
+    versions = versions or f"torch {torch.__version__}, fedtrust {fedtrust.__version__}"
     lines = [
         "# Every rule on a GPU",
         "",
-        f"{gpu}; torch {torch.__version__}, fedtrust {fedtrust.__version__}. Command: `{command}`.",
+        f"{gpu}; {versions}. Command: `{command}`.",
         "",
+        *[line for note in notes for line in (note, "")],
         "| n | d | rule | ms | floors | ByzFL ms | speed-up | goal |",
         "|---:|---:|---|---:|---:|---:|---:|---|",
     ]
@@ -132,7 +136,8 @@ def write(rows: list[dict], gpu: str, out: Path, command: str) -> None:
         lines.append(f"| {row['n']} | {row['d']:.0e} | {row['rule']} | {row['seconds'] * 1e3:.2f} | "
                      f"{row['seconds'] / row['floor']:.1f} | {byzfl} | {speed} | {goal(row)} |")  # fmt: skip
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"gpu": gpu, "command": command, "rows": rows}, indent=1))
+    payload = {"gpu": gpu, "versions": versions, "command": command, "notes": list(notes), "rows": rows}
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
 
 
 def main() -> None:

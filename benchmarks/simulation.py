@@ -193,6 +193,8 @@ def main() -> None:
 
 def write(args, rows: list[dict]) -> None:
     info = machine()
+    if torch.device(args.device).type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     versions = {k: info[k] for k in ("python", "torch", "fedtrust", "flwr")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/simulation.py " + " ".join(sys.argv[1:])
@@ -201,7 +203,8 @@ def write(args, rows: list[dict]) -> None:
     lines = [
         "# Simulation: rounds per second, fedtrust vs Flower's simulation engine",
         "",
-        f"Machine: {payload['machine']['cpu']}, {payload['machine']['threads']} threads. "
+        f"Machine: {payload['machine']['cpu']}, {payload['machine']['threads']} threads"
+        + (f"; GPU {info['gpu']}. " if "gpu" in info else ". ")
         + ", ".join(f"{k} {v}" for k, v in versions.items())
         + ".",
         f"Command: `{payload['command']}`.",

@@ -23,6 +23,11 @@ def on_cuda(r: Round) -> Round:
 #: of these rounds (it converges linearly there, in 99 on the float64 one), and on an H200 the two
 #: stopped iterates differed by 0.8% where the CPU's own rounding gives the same iterate.
 CONVERGED = {"icov_mle": {"max_iter": 500}}
+#: How far ICOV-MLE's converged weights move when the inputs move by one ulp (different rounding, as on
+#: another device): up to 1.5e-5 on these rounds and 9.7e-5 on 11 x 60 ones, in float64 as in float32
+#: (its L-BFGS fit stops on a flat likelihood; measured on this machine's CPU). At fixed points the float64
+#: case still failed on an H200 at the rounding tolerance (the run's time limit cut its message off).
+ICOV_MLE_RESOLUTION = 5e-4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
@@ -37,6 +42,8 @@ def test_rule_on_cuda_matches_the_cpu(name, options, dtype):
         # CUDA's reductions sum in another order than the CPU's: float rounding apart, and an iterative
         # rule may stop a step apart
         tol = dtype_tol(dtype, factor=1e3 if name.startswith("icov") else 100.0)
+        if name == "icov_mle":  # its L-BFGS fit resolves the weights to ~1e-5 whatever the dtype
+            tol = {k: max(v, ICOV_MLE_RESOLUTION) for k, v in tol.items()}
         torch.testing.assert_close(out.vector.cpu(), expected.vector, **tol)
         torch.testing.assert_close(out.weights.cpu(), expected.weights, **tol)
 
@@ -54,17 +61,17 @@ def test_short_simulation_on_cuda_matches_the_cpu():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("n", [1, 2, 11, 100, 256, 257])
+@pytest.mark.parametrize("n", [1, 2, 11, 16, 17, 100])
 def test_the_rank_window_kernel_matches_the_torch_path(n, dtype):
-    """The Triton kernel (n <= 256; 257 takes the torch path) gives rank_window_by_sort's values and tie
+    """The Triton kernel (n <= 16; above, the torch path) gives rank_window_by_sort's values and tie
     shares, for continuous values, a few distinct ones and a block of copies, contiguous or not."""
     from fedtrust.aggregators import triton_windows
     from fedtrust.aggregators.rank_windows import rank_window, rank_window_by_sort
 
-    assert triton_windows.suits(torch.zeros(n, 3, dtype=dtype, device="cuda")) == (n <= 256)
+    assert triton_windows.suits(torch.zeros(n, 3, dtype=dtype, device="cuda")) == (n <= 16)
     g = torch.Generator().manual_seed(n)
-    continuous = torch.randn(n, 5000, generator=g, dtype=dtype)
-    few = torch.randint(0, 3, (n, 5000), generator=g).to(dtype)
+    continuous = torch.randn(n, 2000, generator=g, dtype=dtype)
+    few = torch.randint(0, 3, (n, 2000), generator=g).to(dtype)
     copies = continuous.clone()
     copies[-max(1, n // 5) :] = copies[-1]
     eps = torch.finfo(dtype).eps
