@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test test-cpus docs bench lint clean fashion-mnist ivar-icov collusion arfl fedag robustness
+.PHONY: demo test test-cpus docs bench gpu-bench lint clean fashion-mnist ivar-icov collusion arfl fedag robustness
 
 $(STAMP): pyproject.toml constraints.txt setup.py src/fedtrust/aggregators/order_stats.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,16 @@ bench: $(STAMP) fashion-mnist
 	$(BIN)/python benchmarks/aggregation.py
 	$(BIN)/python benchmarks/attacks.py
 	$(BIN)/python benchmarks/simulation.py
+
+# Issue 20's GPU figures, on a machine with a CUDA GPU and torch's CUDA build (PyPI's torch is one on
+# Linux): the CUDA tests, every rule against ByzFL on the device, and the Fashion-MNIST federation with
+# fedtrust on the GPU against Flower's clients on the CPU and on the GPU.
+gpu-bench: $(STAMP) fashion-mnist
+	$(BIN)/python -m pip install --quiet --no-deps byzfl==0.0.11
+	$(BIN)/python -m pytest tests/test_cuda.py
+	$(BIN)/python benchmarks/gpu.py
+	$(BIN)/python benchmarks/simulation.py --data fashion_mnist --models softmax mlp cnn --device cuda \
+		--flower-devices cpu cuda --out benchmarks/results/simulation_gpu
 
 # The paper targets write their reports into the committed experiments/<experiment>/reports unless
 # REPORTS names another folder (`make arfl REPORTS=/tmp/mine` writes /tmp/mine/arfl); raw runs go to
