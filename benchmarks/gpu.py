@@ -116,7 +116,15 @@ def goal(row: dict) -> str:
 def write(rows: list[dict], gpu: str, out: Path, command: str, notes=(), versions: str | None = None) -> None:
     """Results as markdown and JSON; ``notes``: paragraphs under the header; ``versions``: the software's
     (default: this process's torch and fedtrust)."""
-    versions = versions or f"torch {torch.__version__}, fedtrust {fedtrust.__version__}"
+    if versions is None:
+        try:  # the rank-window kernel's compiler
+            import triton
+
+            versions = (
+                f"torch {torch.__version__}, triton {triton.__version__}, fedtrust {fedtrust.__version__}"
+            )
+        except ImportError:
+            versions = f"torch {torch.__version__}, fedtrust {fedtrust.__version__}"
     lines = [
         "# Every rule on a GPU",
         "",

@@ -117,7 +117,9 @@ def run_flower(raw: dict, device: str = "cpu") -> tuple[float, torch.Tensor]:
     ``device``) over rounds 2..R, and its final global vector."""
     raw = {**raw, "train": {**raw["train"], "device": device}}
     os.environ["FEDTRUST_BENCH_SPEC"] = json.dumps(raw)
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(HERE) not in paths:  # the workers import flower_app from here
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), *paths])
     import flower_app
     from flwr.simulation import run_simulation
 
@@ -193,8 +195,8 @@ def main() -> None:
 
 def write(args, rows: list[dict]) -> None:
     info = machine()
-    if torch.device(args.device).type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    if torch.cuda.is_available() and "cuda" in " ".join([args.device, *args.flower_devices]):
+        info["gpu"] = torch.cuda.get_device_name(torch.device(args.device) if "cuda" in args.device else 0)
     versions = {k: info[k] for k in ("python", "torch", "fedtrust", "flwr")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/simulation.py " + " ".join(sys.argv[1:])
@@ -228,9 +230,9 @@ def write(args, rows: list[dict]) -> None:
             if "flower" in r
             else "- | - | - | - | -"
         )
+        loop = f"{r['loop']:.2f}" if "loop" in r else "-"
         lines.append(
-            f"| {r['data']} | {r['model']} | {r['batched']:.2f} | {r.get('loop', float('nan')):.2f} "
-            f"| {r['floor'] * 1e3:.1f} "
+            f"| {r['data']} | {r['model']} | {r['batched']:.2f} | {loop} | {r['floor'] * 1e3:.1f} "
             f"| {flower} |"
         )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

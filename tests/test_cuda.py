@@ -42,7 +42,7 @@ def test_rule_on_cuda_matches_the_cpu(name, options, dtype):
         # CUDA's reductions sum in another order than the CPU's: float rounding apart, and an iterative
         # rule may stop a step apart
         tol = dtype_tol(dtype, factor=1e3 if name.startswith("icov") else 100.0)
-        if name == "icov_mle":  # its L-BFGS fit resolves the weights to ~1e-5 whatever the dtype
+        if name == "icov_mle":  # its fit resolves the weights (so the consensus) to ~1e-5 in any dtype
             tol = {k: max(v, ICOV_MLE_RESOLUTION) for k, v in tol.items()}
         torch.testing.assert_close(out.vector.cpu(), expected.vector, **tol)
         torch.testing.assert_close(out.weights.cpu(), expected.weights, **tol)

@@ -18,19 +18,23 @@ if torch.cuda.is_available():  # Triton's interpreter would take over its librar
     pytest.skip("CUDA is present: test_cuda.py runs the kernel on the device", allow_module_level=True)
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed (torch's CPU build lacks it)", allow_module_level=True)
-if "triton" in sys.modules:
-    pytest.skip("Triton was imported before its interpreter could be set", allow_module_level=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def interpreter():
     """Triton's interpreter for this module's tests: set before Triton's first import (its library's
-    functions are jitted at import) and for the kernel's lazy jitting; unset after, so other modules'
+    functions are jitted at import) and for the kernel's lazy jitting; restored after, so other modules'
     CPU tensors keep the CPU path."""
+    if "triton" in sys.modules:
+        pytest.skip("Triton was imported before its interpreter could be set")
+    before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     triton_windows._kernel.cache_clear()
     yield
-    del os.environ["TRITON_INTERPRET"]
+    if before is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = before
     triton_windows._kernel.cache_clear()
 
 
@@ -76,14 +80,37 @@ def test_the_kernel_serves_up_to_its_limit_and_copies(n):
     check(x.T.contiguous().T, n // 2 - 1, n // 2 + 1)
 
 
-def test_rank_window_routes_to_the_kernel_and_off_it():
+def test_rank_window_routes_to_the_kernel_and_off_it(monkeypatch):
+    calls = []
+    kernel = triton_windows.rank_window
+    monkeypatch.setattr(triton_windows, "rank_window", lambda *a: calls.append(a) or kernel(*a))
     x = torch.randn(7, 50, dtype=torch.float64)
     values, weights, norms = rank_window(x, 3, 4)  # under the interpreter a CPU tensor takes the kernel
+    assert len(calls) == 1
     torch.testing.assert_close(values, x.median(0).values)
-    assert not triton_windows.suits(torch.randn(triton_windows.MAX_CLIENTS + 1, 4))
-    assert not triton_windows.suits(torch.randn(3, 4, dtype=torch.float16))
-    os.environ["FEDTRUST_TRITON"] = "0"
-    try:
-        assert not triton_windows.suits(x)
-    finally:
-        del os.environ["FEDTRUST_TRITON"]
+    rank_window(torch.randn(triton_windows.MAX_CLIENTS + 1, 4), 3, 4)
+    rank_window(torch.randn(3, 4, dtype=torch.float16), 1, 2)
+    monkeypatch.setenv("FEDTRUST_TRITON", "0")
+    rank_window(x, 3, 4)
+    assert len(calls) == 1  # more clients than the kernel serves, float16, turned off: the other paths
+
+
+def test_a_kernel_that_fails_hands_over_to_the_torch_path_once(monkeypatch):
+    """A GPU or toolchain Triton cannot build for: a warning naming the failure, the torch path's result,
+    and no further attempt."""
+
+    def broken():
+        def launch(*args, **kwargs):
+            raise RuntimeError("no kernel image is available for execution on the device")
+
+        return {(1,): launch, (2,): launch}
+
+    monkeypatch.setattr(triton_windows, "_kernel", broken)
+    monkeypatch.setattr(triton_windows, "FAILURE", [])
+    x = torch.randn(5, 40)
+    with pytest.warns(RuntimeWarning, match="no kernel image"):
+        values, weights = triton_windows.rank_window(x, 2, 3)
+    want = rank_window_by_sort(x, 2, 3)
+    torch.testing.assert_close(values, want[0])
+    torch.testing.assert_close(weights, want[1])
+    assert not triton_windows.suits(x)

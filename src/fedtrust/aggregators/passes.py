@@ -139,7 +139,7 @@ class CombinationPasses:
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """z = offset + sum_j w_j x_j, the float64 squared distances ||x_j - z||^2 and ||z - previous||
-        (0 without ``previous``; a float64 0-dim tensor, so no caller waits for it unread), in one pass.
+        (0 without ``previous``; a float64 0-dim tensor, so it costs no sync unless read), in one pass.
         Shapes follow x: w (n,) or (I, J), or None for z = offset (distances to a given point); offset,
         previous and ``out`` (a buffer for z, which must not be ``previous``) (d,) or (I, K)."""
         x = self.x

@@ -8,9 +8,11 @@ window's mean, flags the columns where a value at an edge of the window also lie
 across the edge), and counts per client the entries between the edge values of the other columns: the
 slots they hold, as :func:`~fedtrust.aggregators.rank_windows.window_slots` counts them on the CPU. The
 flagged columns (rare for real-valued updates; every column when sybils' copies straddle an edge) then
-get :func:`~fedtrust.aggregators.rank_windows.window_shares`' exact shares through torch. So x is read
-once, where the torch path (:func:`~fedtrust.aggregators.rank_windows.rank_window_by_sort`) transposes
-it and sorts it in global memory.
+get :func:`~fedtrust.aggregators.rank_windows.window_shares`' exact shares through torch. So the
+window takes one read of x (the rows' norms, which the caller also takes, another), where the torch path
+(:func:`~fedtrust.aggregators.rank_windows.rank_window_by_sort`) transposes x and sorts it in global
+memory. A kernel that fails to build or launch (a GPU or toolchain Triton does not serve) is reported
+once as a warning and the torch path serves from then on.
 
 Runs for float32/float64 CUDA tensors of at most :data:`MAX_CLIENTS` rows (where it was measured to
 beat the torch path) when Triton imports (torch's CUDA builds ship it); ``FEDTRUST_TRITON=0`` turns it
@@ -20,7 +22,9 @@ tensors in Triton's interpreter, which is how the tests check the kernel on a ma
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from functools import cache
 
 import torch
@@ -34,9 +38,14 @@ MAX_CLIENTS = 16
 TILE = 8192
 
 
+#: Why the kernel failed on this process's GPU, once it has: the torch path serves instead.
+FAILURE: list[str] = []
+
+
 def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether Triton runs kernels in its CPU interpreter: ``TRITON_INTERPRET`` set to a value Triton
+    reads as true (1, true, on)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
 
 
 def suits(x: torch.Tensor) -> bool:
@@ -49,6 +58,7 @@ def suits(x: torch.Tensor) -> bool:
         and x.dtype in (torch.float32, torch.float64)
         and (x.is_cuda or (interpreting() and x.device.type == "cpu"))
         and os.environ.get("FEDTRUST_TRITON", "1") != "0"
+        and not FAILURE
         and _kernel() is not None
     )
 
@@ -94,7 +104,7 @@ def rank_window(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.
     :func:`~fedtrust.aggregators.rank_windows.rank_window_by_sort` returns, for ``x`` that
     :func:`suits`. One sync: the count of columns with a tie across an edge."""
     from fedtrust.aggregators.chunks import column_width
-    from fedtrust.aggregators.rank_windows import window_shares
+    from fedtrust.aggregators.rank_windows import rank_window_by_sort, window_shares
 
     n, d = x.shape
     n_pad = 1 << max(1, (n - 1).bit_length())
@@ -103,11 +113,19 @@ def rank_window(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     parts = torch.empty(programs, n_pad, dtype=torch.int32, device=x.device)
     cross = torch.empty(d, dtype=torch.int8, device=x.device)
-    _kernel()[(programs,)](x, out, parts, cross, n, d, x.stride(0), x.stride(1), int(lo), int(hi),
-                           N_PAD=n_pad, BLOCK=block)  # fmt: skip
+    try:  # on x's GPU: Triton launches on the current device
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _kernel()[(programs,)](x, out, parts, cross, n, d, x.stride(0), x.stride(1), int(lo), int(hi),
+                                   N_PAD=n_pad, BLOCK=block)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - any build or launch failure: the torch path, said once
+        FAILURE.append(f"{type(exc).__name__}: {exc}"[:300])
+        warnings.warn(f"fedtrust's Triton rank-window kernel failed ({FAILURE[0]}); the median and trimmed "
+                      "mean take the torch path from now on", RuntimeWarning, stacklevel=2)  # fmt: skip
+        return rank_window_by_sort(x, lo, hi)
     slots = parts.sum(0, dtype=torch.float64)[:n]
     tied = torch.nonzero(cross).flatten()
-    for cols in tied.split(column_width(x, "stream")):  # the columns a tie crosses an edge of: exact shares
-        t = x.index_select(1, cols).T.contiguous()
-        slots += window_shares(t, t.sort(dim=1).values, lo, hi).sum(0)
+    if len(tied):  # the columns a tie crosses an edge of: exact shares
+        for cols in tied.split(column_width(x, "stream")):
+            t = x.index_select(1, cols).T.contiguous()
+            slots += window_shares(t, t.sort(dim=1).values, lo, hi).sum(0)
     return out, (slots / slots.sum()).to(x.dtype)
