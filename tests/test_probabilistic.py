@@ -54,6 +54,28 @@ def test_bootstrap_predictive_moments_are_eqs_4_and_5():
     )  # eq 5
 
 
+def test_a_quarantined_client_model_has_no_say_in_the_posterior_or_its_predictions():
+    """Robust FedAG gives a quarantined client (a non-finite model) zero trust: it must not count at all,
+    neither in the fitted Gaussian nor in the bootstrap ensemble (0 x NaN is NaN; before this a single
+    NaN member turned every prediction of a finite posterior into NaN)."""
+    data = cubic_toy()
+    model = build_model("mlp", data, hidden=8)
+    members = torch.stack([model.init(k) for k in range(5)])
+    trust = torch.tensor([0.3, 0.0, 0.3, 0.4, 0.0])
+    broken = members.clone()
+    broken[1] = float("nan")
+    broken[4, :3] = float("inf")
+    post, clean = fit_posterior(broken, trust), fit_posterior(members, trust)
+    torch.testing.assert_close(post.mean, clean.mean)
+    torch.testing.assert_close(post.var, clean.var)
+    mu, sigma = bootstrap_predictive(model, post, data.x_test)
+    want_mu, want_sigma = bootstrap_predictive(
+        model, fit_posterior(members[[0, 2, 3]], trust[[0, 2, 3]]), data.x_test
+    )
+    torch.testing.assert_close(mu, want_mu)
+    torch.testing.assert_close(sigma, want_sigma)
+
+
 def test_linear_closed_form_matches_monte_carlo():
     data = synthetic_linear(parties=3, samples=30, dim=4)
     model = build_model("linear", data)

@@ -241,10 +241,17 @@ def robust(out: Path, folds: int = 20) -> None:
                 table[scenario][name + " [toy]"] = [scores(toy_data, *predictive(sim, toy_data.x_test))]
                 bar.advance(1, f"{scenario}: {name} [toy]")
     (out / "robust.json").write_text(json.dumps(table, indent=1))
+    write_robust(table, out, folds)
+
+
+def write_robust(table: dict[str, dict[str, list[dict]]], out: Path, folds: int) -> None:
+    """robust.md from the scenario -> method -> runs table that ``robust`` computed (robust.json)."""
     lines = ["# Robust FedAG: 3 of 10 devices corrupted", "",
              f"FedAG's Gaussian posterior fitted with each base rule's trust weights. Boston housing, {folds}-fold "
              "CV (mean ± s.e.); the toy (one run) marked [toy]. Command: "
-             f"`python experiments/fedag/run.py robust --folds {folds}`.", ""]  # fmt: skip
+             f"`python experiments/fedag/run.py robust --folds {folds}`. An NLL of inf: some test point got "
+             "zero predictive density; nan: the predictions themselves are not finite (the model diverged), "
+             "or, in a mean over folds, a fold whose NLL is.", ""]  # fmt: skip
     for scenario, results in table.items():
         lines += [
             f"## {scenario}",

@@ -44,9 +44,15 @@ def fit_posterior(
         if weights is None
         else (weights / weights.sum()).to(models.dtype)
     )
-    mu = w @ models if mean is None else mean.to(models.dtype)
-    var = w @ (models - mu).square()
+    mu = w @ _counted(models, w) if mean is None else mean.to(models.dtype)
+    var = w @ _counted((models - mu).square(), w)
     return GaussianPosterior(mu, var, models, w)
+
+
+def _counted(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``rows`` (n, ...) with the rows of zero weight set to 0: a member without trust does not count at
+    all, also when it is not finite (a quarantined client's model; 0 x NaN is NaN in a weighted sum)."""
+    return rows.masked_fill(~(w > 0).reshape(-1, *[1] * (rows.dim() - 1)), 0.0)
 
 
 def _predictions(model: FlatModel, weight_sets: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -59,7 +65,8 @@ def ensemble_predictive(
     model: FlatModel, weight_sets: torch.Tensor, x: torch.Tensor, weights=None, noise_var: float = 0.0
 ):
     """(mu, sigma) of N(mu_y, sigma_y^2) from an ensemble (eqs 4-5): the (weighted) mean of the members'
-    predictions and their (weighted) second moment minus the squared mean, plus ``noise_var``."""
+    predictions and their (weighted) second moment minus the squared mean, plus ``noise_var``. Members of
+    zero weight do not count, whatever their predictions."""
     preds = _predictions(model, weight_sets, x)
     m = preds.shape[0]
     w = (
@@ -67,6 +74,7 @@ def ensemble_predictive(
         if weights is None
         else (weights / weights.sum()).to(preds.dtype)
     )
+    preds = _counted(preds, w)  # a member of zero weight (say, a quarantined NaN model) has no say
     mu = w @ preds
     var = (w @ preds.square() - mu.square()).clamp_min(0) + noise_var
     return mu, var.sqrt()
