@@ -250,8 +250,9 @@ def write_robust(table: dict[str, dict[str, list[dict]]], out: Path, folds: int)
              f"FedAG's Gaussian posterior fitted with each base rule's trust weights. Boston housing, {folds}-fold "
              "CV (mean ± s.e.); the toy (one run) marked [toy]. Command: "
              f"`python experiments/fedag/run.py robust --folds {folds}`. An NLL of inf: some test point got "
-             "zero predictive density; nan: the predictions themselves are not finite (the model diverged), "
-             "or, in a mean over folds, a fold whose NLL is.", ""]  # fmt: skip
+             "zero predictive density. nan: a score that is undefined in a run (in a mean over folds, in any "
+             "of them): a predictive spread of 0 at some test point (the posterior collapsed onto one "
+             "model), or predictions that are not finite.", ""]  # fmt: skip
     for scenario, results in table.items():
         lines += [
             f"## {scenario}",
