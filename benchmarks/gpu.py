@@ -16,6 +16,7 @@ Needs a CUDA device; on a machine without one it says so and exits 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -117,14 +118,11 @@ def write(rows: list[dict], gpu: str, out: Path, command: str, notes=(), version
     """Results as markdown and JSON; ``notes``: paragraphs under the header; ``versions``: the software's
     (default: this process's torch and fedtrust)."""
     if versions is None:
-        try:  # the rank-window kernel's compiler
+        versions = f"torch {torch.__version__}, fedtrust {fedtrust.__version__}"
+        with contextlib.suppress(ImportError):  # the rank-window kernel's compiler
             import triton
 
-            versions = (
-                f"torch {torch.__version__}, triton {triton.__version__}, fedtrust {fedtrust.__version__}"
-            )
-        except ImportError:
-            versions = f"torch {torch.__version__}, fedtrust {fedtrust.__version__}"
+            versions += f", triton {triton.__version__}"
     lines = [
         "# Every rule on a GPU",
         "",

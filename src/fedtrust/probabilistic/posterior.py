@@ -38,15 +38,18 @@ def fit_posterior(
     """N(mu, sigma^2) per weight from (n, d) client models: the sample mean and (population) variance
     (Algorithm 1, line 9), or with trust weights w (summing to 1) mu = sum_k w_k x_k and
     sigma^2 = sum_k w_k (x_k - mu)^2. ``mean`` overrides mu (e.g. a robust rule's aggregate)."""
-    n = models.shape[0]
-    w = (
-        torch.full((n,), 1.0 / n, dtype=models.dtype, device=models.device)
-        if weights is None
-        else (weights / weights.sum()).to(models.dtype)
-    )
+    w = _member_weights(weights, models)
     mu = w @ _counted(models, w) if mean is None else mean.to(models.dtype)
     var = w @ _counted((models - mu).square(), w)
     return GaussianPosterior(mu, var, models, w)
+
+
+def _member_weights(weights: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """(n,) weights of the n ``rows`` summing to 1, in their dtype: uniform without ``weights``."""
+    n = rows.shape[0]
+    if weights is None:
+        return torch.full((n,), 1.0 / n, dtype=rows.dtype, device=rows.device)
+    return (weights / weights.sum()).to(rows.dtype)
 
 
 def _counted(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -68,12 +71,7 @@ def ensemble_predictive(
     predictions and their (weighted) second moment minus the squared mean, plus ``noise_var``. Members of
     zero weight do not count, whatever their predictions."""
     preds = _predictions(model, weight_sets, x)
-    m = preds.shape[0]
-    w = (
-        torch.full((m,), 1.0 / m, dtype=preds.dtype, device=preds.device)
-        if weights is None
-        else (weights / weights.sum()).to(preds.dtype)
-    )
+    w = _member_weights(weights, preds)
     preds = _counted(preds, w)  # a member of zero weight (say, a quarantined NaN model) has no say
     mu = w @ preds
     var = (w @ preds.square() - mu.square()).clamp_min(0) + noise_var
