@@ -61,14 +61,19 @@ def test_short_simulation_on_cuda_matches_the_cpu():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("method", ["sort", "count"])
 @pytest.mark.parametrize("n", [1, 2, 11, 16, 17, 100])
-def test_the_rank_window_kernel_matches_the_torch_path(n, dtype):
-    """The Triton kernel (n <= 16; above, the torch path) gives rank_window_by_sort's values and tie
-    shares, for continuous values, a few distinct ones and a block of copies, contiguous or not."""
+def test_each_rank_window_kernel_matches_the_torch_path(n, method, dtype):
+    """Each Triton kernel gives rank_window_by_sort's values and tie shares and row_norms' norms, for
+    continuous values, a few distinct ones and a block of copies, contiguous or not; rank_window takes
+    a kernel up to triton_windows.MAX_CLIENTS clients."""
     from fedtrust.aggregators import triton_windows
-    from fedtrust.aggregators.rank_windows import rank_window, rank_window_by_sort
+    from fedtrust.aggregators.passes import row_norms
+    from fedtrust.aggregators.rank_windows import rank_window_by_sort
 
-    assert triton_windows.suits(torch.zeros(n, 3, dtype=dtype, device="cuda")) == (n <= 16)
+    assert triton_windows.suits(torch.zeros(n, 3, dtype=dtype, device="cuda")) == (
+        n <= triton_windows.MAX_CLIENTS
+    )
     g = torch.Generator().manual_seed(n)
     continuous = torch.randn(n, 2000, generator=g, dtype=dtype)
     few = torch.randint(0, 3, (n, 2000), generator=g).to(dtype)
@@ -78,7 +83,9 @@ def test_the_rank_window_kernel_matches_the_torch_path(n, dtype):
     for x in (continuous, few, copies):
         for lo, hi in {(0, n), (n // 2, n // 2 + 1), (n // 10, n - n // 10), (0, max(1, n - n // 5))}:
             for on_gpu in (x.cuda(), x.T.contiguous().T.cuda()):
-                values, weights, _ = rank_window(on_gpu, lo, hi)
+                values, weights, norms = triton_windows.rank_window(on_gpu, lo, hi, method)
+                assert not triton_windows.FAILURE
                 want_values, want_weights = rank_window_by_sort(x, lo, hi)
                 torch.testing.assert_close(values.cpu(), want_values, rtol=8 * n * eps, atol=8 * n * eps)
                 torch.testing.assert_close(weights.cpu(), want_weights, rtol=16 * eps, atol=16 * eps)
+                torch.testing.assert_close(norms.cpu(), row_norms(x), rtol=16 * eps, atol=0.0)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedtrust.aggregators import triton_windows
+from fedtrust.aggregators.passes import row_norms
 from fedtrust.aggregators.rank_windows import rank_window, rank_window_by_sort
 
 if torch.cuda.is_available():  # Triton's interpreter would take over its library for the whole process
@@ -29,33 +30,37 @@ def interpreter():
         pytest.skip("Triton was imported before its interpreter could be set")
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    triton_windows._kernel.cache_clear()
+    triton_windows._kernels.cache_clear()
     yield
     if before is None:
         del os.environ["TRITON_INTERPRET"]
     else:
         os.environ["TRITON_INTERPRET"] = before
-    triton_windows._kernel.cache_clear()
+    triton_windows._kernels.cache_clear()
 
 
-def check(x: torch.Tensor, lo: int, hi: int) -> None:
-    assert triton_windows.suits(x)
-    values, weights = triton_windows.rank_window(x, lo, hi)
+def check(x: torch.Tensor, lo: int, hi: int, method: str) -> None:
+    """The kernel's window, slot shares and row norms against the torch path's and row_norms'."""
+    triton_windows.FAILURE.clear()  # each check on its own: a failure is this call's
+    values, weights, norms = triton_windows.rank_window(x, lo, hi, method)
+    assert not triton_windows.FAILURE, triton_windows.FAILURE  # the kernel ran, not the torch fallback
     want_values, want_weights = rank_window_by_sort(x, lo, hi)
     eps = torch.finfo(x.dtype).eps
     torch.testing.assert_close(values, want_values, rtol=8 * x.shape[0] * eps, atol=8 * x.shape[0] * eps)
     torch.testing.assert_close(weights, want_weights, rtol=16 * eps, atol=16 * eps)
+    torch.testing.assert_close(norms, row_norms(x), rtol=16 * eps, atol=0.0)
 
 
 @settings(max_examples=25, deadline=None)  # the interpreter takes ~0.4 ms a padded value
 @given(
-    n=st.integers(1, triton_windows.MAX_CLIENTS),
+    method=st.sampled_from(["sort", "count"]),
+    n=st.integers(1, 40),
     d=st.integers(1, 60),
     ties=st.sampled_from([0, 2, 5]),
     data=st.data(),
     dtype=st.sampled_from([torch.float32, torch.float64]),
 )
-def test_the_kernel_gives_the_torch_paths_window(n, d, ties, data, dtype):
+def test_each_kernel_gives_the_torch_paths_window(method, n, d, ties, data, dtype):
     """Any window, continuous values or a few distinct ones (ties across the edges everywhere)."""
     lo = data.draw(st.integers(0, n - 1))
     hi = data.draw(st.integers(lo + 1, n))
@@ -65,19 +70,29 @@ def test_the_kernel_gives_the_torch_paths_window(n, d, ties, data, dtype):
         if not ties
         else torch.randint(0, ties, (n, d), generator=g)
     )
-    check(x.to(dtype), lo, hi)
+    check(x.to(dtype), lo, hi, method)
 
 
-@pytest.mark.parametrize("n", [10, triton_windows.MAX_CLIENTS])
-def test_the_kernel_serves_up_to_its_limit_and_copies(n):
+@pytest.mark.parametrize("method", ["sort", "count"])
+@pytest.mark.parametrize("n", [10, triton_windows.SORT_CLIENTS, 40])
+def test_each_kernel_serves_up_to_the_limit_and_copies(n, method):
     """The median and trimmed windows, a group of copies among the clients (one window edge inside it),
-    and a transposed (non-contiguous) input."""
+    infinite entries, and a transposed (non-contiguous) input."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, 200, generator=g)
     x[-n // 5 :] = x[-1]  # sybils: one vector sent by a fifth of the clients
+    x[0, :3], x[1, 1:4] = torch.inf, -torch.inf
     for lo, hi in [(n // 2 - 1, n // 2 + 1), (n // 10, n - n // 10), (0, n - n // 5 + 1)]:
-        check(x, lo, hi)
-    check(x.T.contiguous().T, n // 2 - 1, n // 2 + 1)
+        check(x, lo, hi, method)
+    check(x.T.contiguous().T, n // 2 - 1, n // 2 + 1, method)
+
+
+def test_the_count_kernel_packs_its_tallies_up_to_1023_clients():
+    """below << 20 | equal << 10 | equal of lower row: the largest n the packing holds, all entries tied
+    (every tally at its limit) and continuous."""
+    n = 1023
+    check(torch.zeros(n, 2), n // 2, n // 2 + 1, "count")
+    check(torch.randn(n, 2, generator=torch.Generator().manual_seed(0)), 100, n - 100, "count")
 
 
 def test_rank_window_routes_to_the_kernel_and_off_it(monkeypatch):
@@ -93,6 +108,7 @@ def test_rank_window_routes_to_the_kernel_and_off_it(monkeypatch):
     monkeypatch.setenv("FEDTRUST_TRITON", "0")
     rank_window(x, 3, 4)
     assert len(calls) == 1  # more clients than the kernel serves, float16, turned off: the other paths
+    assert [triton_windows.method_for(n) for n in (1, 16, 17, 1023)] == ["sort", "sort", "count", "count"]
 
 
 def test_a_kernel_that_fails_hands_over_to_the_torch_path_once(monkeypatch):
@@ -103,14 +119,15 @@ def test_a_kernel_that_fails_hands_over_to_the_torch_path_once(monkeypatch):
         def launch(*args, **kwargs):
             raise RuntimeError("no kernel image is available for execution on the device")
 
-        return {(1,): launch, (2,): launch}
+        return {"sort": {(1,): launch, (2,): launch}}
 
-    monkeypatch.setattr(triton_windows, "_kernel", broken)
+    monkeypatch.setattr(triton_windows, "_kernels", broken)
     monkeypatch.setattr(triton_windows, "FAILURE", [])
     x = torch.randn(5, 40)
     with pytest.warns(RuntimeWarning, match="no kernel image"):
-        values, weights = triton_windows.rank_window(x, 2, 3)
+        values, weights, norms = triton_windows.rank_window(x, 2, 3)
     want = rank_window_by_sort(x, 2, 3)
     torch.testing.assert_close(values, want[0])
     torch.testing.assert_close(weights, want[1])
+    torch.testing.assert_close(norms, row_norms(x))
     assert not triton_windows.suits(x)

@@ -182,7 +182,7 @@ def rank_window(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.
     if not 0 <= lo < hi <= n:
         raise ValueError(f"rank_window: need 0 <= lo < hi <= n, got lo={lo}, hi={hi}, n={n}")
     if triton_windows.suits(x):  # CUDA: one kernel sorts in registers
-        return (*triton_windows.rank_window(x, lo, hi), row_norms(x))
+        return triton_windows.rank_window(x, lo, hi)
     if x.device.type != "cpu":
         return (*rank_window_by_sort(x, lo, hi), row_norms(x))
     return map_column_blocks(x, lambda block: _window_block(block, lo, hi), norms=True)

@@ -1,23 +1,46 @@
 """Rank windows on a CUDA device in one Triton kernel: per column, the mean of the values of ranks
 lo..hi-1 and each client's count of those slots, with the CPU path's tie rule
-(:mod:`~fedtrust.aggregators.rank_windows`).
+(:mod:`~fedtrust.aggregators.rank_windows`), and the rows' norms in the same read.
 
-A program loads a (BLOCK, N_PAD) tile: BLOCK columns of x, each column's n values padded with +inf to
-the next power of two. It sorts each column in registers (``tl.sort``, a bitonic network), writes the
-window's mean, flags the columns where a value at an edge of the window also lies outside it (a tie
-across the edge), and counts per client the entries between the edge values of the other columns: the
-slots they hold, as :func:`~fedtrust.aggregators.rank_windows.window_slots` counts them on the CPU. The
-flagged columns (rare for real-valued updates; every column when sybils' copies straddle an edge) then
-get :func:`~fedtrust.aggregators.rank_windows.window_shares`' exact shares through torch. So the
-window takes one read of x (the rows' norms, which the caller also takes, another), where the torch path
+A program loads a (BLOCK, N_PAD) tile: BLOCK columns of x, each column's n values padded to the next
+power of two. Two kernels (:mod:`~fedtrust.aggregators.triton_kernels`) find each entry's rank:
+
+- ``"sort"`` (up to :data:`SORT_CLIENTS` clients) sorts each column in registers (``tl.sort``, a
+  bitonic network);
+- ``"count"`` (above) counts, for each entry, the column's values below it and equal to it, reading
+  one client's row at a time: n^2 comparisons a column but no data moved between threads, which a
+  bitonic network over 32 or more values spends its time (and registers) on.
+
+Each writes the window's mean, flags the columns where a value at an edge of the window also lies
+outside it (a tie across the edge), and counts per client the entries between the edge values of the
+other columns: the slots they hold, as :func:`~fedtrust.aggregators.rank_windows.window_slots` counts
+them on the CPU. The flagged columns (rare for real-valued updates; every column when sybils' copies
+straddle an edge) then get :func:`~fedtrust.aggregators.rank_windows.window_shares`' exact shares
+through torch. So the window and the norms take one read of x, where the torch path
 (:func:`~fedtrust.aggregators.rank_windows.rank_window_by_sort`) transposes x and sorts it in global
 memory. A kernel that fails to build or launch (a GPU or toolchain Triton does not serve) is reported
 once as a warning and the torch path serves from then on.
 
-Runs for float32/float64 CUDA tensors of at most :data:`MAX_CLIENTS` rows (where it was measured to
-beat the torch path) when Triton imports (torch's CUDA builds ship it); ``FEDTRUST_TRITON=0`` turns it
-off. Under ``TRITON_INTERPRET=1`` it runs on CPU
-tensors in Triton's interpreter, which is how the tests check the kernel on a machine without a GPU.
+Runs for float32/float64 CUDA tensors of at most :data:`MAX_CLIENTS` rows when Triton imports (torch's
+CUDA builds ship it); ``FEDTRUST_TRITON=0`` turns it off. Under ``TRITON_INTERPRET=1`` it runs on CPU
+tensors in Triton's interpreter, which is how the tests check the kernels on a machine without a GPU.
+
+Measured on an H200 (a median window of float32 ``randn``, ms, d = 1e6 / 1e7; the torch path's time
+includes its separate pass for the norms):
+
+=====  =============  ============  ===========
+n      torch path     ``"sort"``    ``"count"``
+=====  =============  ============  ===========
+10     1.70 / 10.3    0.63 / 1.50   0.99 / 1.99
+16     1.50 / 11.6    0.30 / 1.43   0.37 / 2.03
+32     2.12 / 18.3    1.72 / 14.8   0.55 / 4.47
+64     8.17 / 71.7    6.57 / 60.2   1.93 / 15.2
+100    8.96 / 80.7    12.9 / 120    4.80 / 39.8
+=====  =============  ============  ===========
+
+(float64 at d = 1e7: n = 10, 1.58 by either kernel against 12.3; n = 100, 57 by ``"count"`` against
+157 and 159 by ``"sort"``.) ``"count"`` used 2048-value tiles and 4 warps; 4096- and 8192-value tiles
+and 8 warps were slower at every n measured.
 """
 
 from __future__ import annotations
@@ -29,13 +52,14 @@ from functools import cache
 
 import torch
 
-#: The most clients the kernel serves; above, the torch path. Measured on an H200 (benchmarks/gpu.py):
-#: at n = 10 the kernel took a median in 0.53 ms at d = 1e6 and 1.09 ms at d = 1e7, against 1.49 and
-#: 9.76 ms by the torch path; at n = 100 (a 128-wide sort per column) 12.6 and 120 ms, against 8.3 and
-#: 80 ms. Between 16 and 100 nothing was measured, so the kernel stops at the size measured to win.
-MAX_CLIENTS = 16
-#: Values per program's tile (BLOCK columns x N_PAD clients).
-TILE = 8192
+#: The most clients the kernels serve (the count kernel packs its tallies in 10 bits); above, the torch
+#: path. Measured to win from 1 to 100 clients (the module's table).
+MAX_CLIENTS = 1023
+#: Up to this many clients the sort kernel serves, above it the count kernel (the module's table).
+SORT_CLIENTS = 16
+#: Values per program's tile (BLOCK columns x N_PAD clients), and warps per program, by kernel.
+TILES = {"sort": 8192, "count": 2048}
+WARPS = {"sort": 4, "count": 4}
 
 
 #: Why the kernel failed on this process's GPU, once it has: the torch path serves instead.
@@ -59,73 +83,59 @@ def suits(x: torch.Tensor) -> bool:
         and (x.is_cuda or (interpreting() and x.device.type == "cpu"))
         and os.environ.get("FEDTRUST_TRITON", "1") != "0"
         and not FAILURE
-        and _kernel() is not None
+        and _kernels() is not None
     )
 
 
 @cache
-def _kernel():
-    """The jitted kernel, or None where Triton does not import."""
+def _kernels() -> dict | None:
+    """The jitted kernels by method (``"sort"``, ``"count"``), or None where Triton does not import."""
     try:
-        import triton
-        import triton.language as tl
+        from fedtrust.aggregators import triton_kernels
     except ImportError:
         return None
-
-    @triton.jit(do_not_specialize=["n", "d", "lo", "hi"])  # one build per tile shape and dtype
-    def window_kernel(x_ptr, out_ptr, parts_ptr, cross_ptr, n, d, stride_row, stride_col, lo, hi,
-                      N_PAD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-        pid = tl.program_id(0)
-        cols = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        rows = tl.arange(0, N_PAD)
-        col_ok = cols < d
-        ok = col_ok[:, None] & (rows < n)[None, :]
-        offsets = cols[:, None] * stride_col + rows.to(tl.int64)[None, :] * stride_row
-        tile = tl.load(x_ptr + offsets, mask=ok, other=float("inf"))  # (BLOCK, N_PAD), padding sorts last
-        ordered = tl.sort(tile, dim=1)
-        ranks = tl.arange(0, N_PAD)[None, :]
-        total = tl.sum(tl.where((ranks >= lo) & (ranks < hi), ordered, 0.0), axis=1)
-        tl.store(out_ptr + cols, total / (hi - lo), mask=col_ok)
-        low = tl.sum(tl.where(ranks == lo, ordered, 0.0), axis=1)
-        high = tl.sum(tl.where(ranks == hi - 1, ordered, 0.0), axis=1)
-        below = tl.sum(tl.where(ranks == lo - 1, ordered, 0.0), axis=1)  # read only when lo > 0
-        above = tl.sum(tl.where(ranks == hi, ordered, 0.0), axis=1)  # read only when hi < n
-        crossing = ((lo > 0) & (below == low)) | ((hi < n) & (above == high))
-        tl.store(cross_ptr + cols, crossing.to(tl.int8), mask=col_ok)
-        inside = ok & (tile >= low[:, None]) & (tile <= high[:, None]) & ~crossing[:, None]
-        tl.store(parts_ptr + pid.to(tl.int64) * N_PAD + rows, tl.sum(inside.to(tl.int32), axis=0))
-
-    return window_kernel
+    return {"sort": triton_kernels.sort_kernel, "count": triton_kernels.count_kernel}
 
 
-def rank_window(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d,) means of ranks lo..hi-1 per column of ``x`` (n, d) and (n,) each client's share of the
-    window's slots (ties across an edge shared evenly): what
-    :func:`~fedtrust.aggregators.rank_windows.rank_window_by_sort` returns, for ``x`` that
-    :func:`suits`. One sync: the count of columns with a tie across an edge."""
+def method_for(n: int) -> str:
+    """The kernel for n clients: ``"sort"`` up to :data:`SORT_CLIENTS`, ``"count"`` above."""
+    return "sort" if n <= SORT_CLIENTS else "count"
+
+
+def rank_window(x: torch.Tensor, lo: int, hi: int, method: str | None = None) -> tuple[torch.Tensor, ...]:
+    """(d,) means of ranks lo..hi-1 per column of ``x`` (n, d), (n,) each client's share of the
+    window's slots (ties across an edge shared evenly) and (n,) float64 row norms taken in the same read:
+    what :func:`~fedtrust.aggregators.rank_windows.rank_window` returns, for ``x`` that :func:`suits`.
+    ``method``: the kernel (:func:`method_for` by default). One sync: the count of columns with a tie
+    across an edge."""
     from fedtrust.aggregators.chunks import column_width
+    from fedtrust.aggregators.passes import row_norms
     from fedtrust.aggregators.rank_windows import rank_window_by_sort, window_shares
 
     n, d = x.shape
+    method = method or method_for(n)
     n_pad = 1 << max(1, (n - 1).bit_length())
-    block = max(16, TILE // n_pad)
+    block = max(16, TILES[method] // n_pad)
     programs = -(-d // block)
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     parts = torch.empty(programs, n_pad, dtype=torch.int32, device=x.device)
+    sq = torch.empty(programs, n_pad, dtype=x.dtype, device=x.device)
     cross = torch.empty(d, dtype=torch.int8, device=x.device)
     try:  # on x's GPU: Triton launches on the current device
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-            _kernel()[(programs,)](x, out, parts, cross, n, d, x.stride(0), x.stride(1), int(lo), int(hi),
-                                   N_PAD=n_pad, BLOCK=block)  # fmt: skip
+            kernel = _kernels()[method]
+            kernel[(programs,)](x, out, parts, sq, cross, n, d, x.stride(0), x.stride(1), int(lo), int(hi),
+                                N_PAD=n_pad, BLOCK=block, num_warps=WARPS[method])  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - any build or launch failure: the torch path, said once
         FAILURE.append(f"{type(exc).__name__}: {exc}"[:300])
         warnings.warn(f"fedtrust's Triton rank-window kernel failed ({FAILURE[0]}); the median and trimmed "
                       "mean take the torch path from now on", RuntimeWarning, stacklevel=2)  # fmt: skip
-        return rank_window_by_sort(x, lo, hi)
+        return (*rank_window_by_sort(x, lo, hi), row_norms(x))
     slots = parts.sum(0, dtype=torch.float64)[:n]
+    norms = sq.sum(0, dtype=torch.float64)[:n].sqrt()
     tied = torch.nonzero(cross).flatten()
     if len(tied):  # the columns a tie crosses an edge of: exact shares
         for cols in tied.split(column_width(x, "stream")):
             t = x.index_select(1, cols).T.contiguous()
             slots += window_shares(t, t.sort(dim=1).values, lo, hi).sum(0)
-    return out, (slots / slots.sum()).to(x.dtype)
+    return out, (slots / slots.sum()).to(x.dtype), norms
