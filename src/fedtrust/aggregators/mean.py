@@ -47,18 +47,18 @@ class FedAvg(Mean):
 
 def sample_weights(round: Round, rule: str) -> torch.Tensor:
     """n_k / sum_i n_i (:func:`normalised`), with a clear error when every reported count is zero."""
-    total = round.num_samples.sum()
+    total = float(round.num_samples.sum())  # one read of the total (a sync on a GPU), reused below
     if not total > 0:
-        raise RoundRefused(
-            f"{rule}: the reported num_samples sum to {total.item()}; sample weights need a positive total"
-        )
-    return normalised(round.num_samples)
+        raise RoundRefused(f"{rule}: the reported num_samples sum to {total}; sample weights need a positive total")
+    return normalised(round.num_samples, total)
 
 
-def normalised(w: torch.Tensor) -> torch.Tensor:
-    """``w / w.sum()`` for non-negative ``w`` with a positive sum. When the sum overflows the dtype, or is
-    too small to divide by accurately (subnormal), ``w`` is first scaled by its largest entry."""
-    total = w.sum()
+def normalised(w: torch.Tensor, total: float | None = None) -> torch.Tensor:
+    """``w / w.sum()`` for non-negative ``w`` with a positive sum (``total``, when already read). When the
+    sum overflows the dtype, or is too small to divide by accurately (subnormal), ``w`` is first scaled by
+    its largest entry."""
+    if total is None:
+        total = w.sum()
     if not torch.finfo(w.dtype).tiny <= total < torch.inf:
         w = w / w.max()
         total = w.sum()
