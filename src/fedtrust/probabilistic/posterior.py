@@ -39,8 +39,9 @@ def fit_posterior(
     (Algorithm 1, line 9), or with trust weights w (summing to 1) mu = sum_k w_k x_k and
     sigma^2 = sum_k w_k (x_k - mu)^2. ``mean`` overrides mu (e.g. a robust rule's aggregate)."""
     w = _member_weights(weights, models)
-    mu = w @ _counted(models, w) if mean is None else mean.to(models.dtype)
-    var = w @ _counted((models - mu).square(), w)
+    rows, w_rows = _counted(models, w)
+    mu = w_rows @ rows if mean is None else mean.to(models.dtype)
+    var = w_rows @ (rows - mu).square()
     return GaussianPosterior(mu, var, models, w)
 
 
@@ -52,10 +53,15 @@ def _member_weights(weights: torch.Tensor | None, rows: torch.Tensor) -> torch.T
     return (weights / weights.sum()).to(rows.dtype)
 
 
-def _counted(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``rows`` (n, ...) with the rows of zero weight set to 0: a member without trust does not count at
-    all, also when it is not finite (a quarantined client's model; 0 x NaN is NaN in a weighted sum)."""
-    return rows.masked_fill(~(w > 0).reshape(-1, *[1] * (rows.dim() - 1)), 0.0)
+def _counted(rows: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` (n, ...) and their weights ``w`` without the members of zero weight: a member without
+    trust does not count at all, also when it is not finite (a quarantined client's model; 0 x NaN is NaN
+    in a weighted sum). When every weight is positive (one read of a flag), the inputs themselves: no
+    copy of the models."""
+    kept = w > 0
+    if bool(kept.all()):
+        return rows, w
+    return rows[kept], w[kept]
 
 
 def _predictions(model: FlatModel, weight_sets: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -71,8 +77,7 @@ def ensemble_predictive(
     predictions and their (weighted) second moment minus the squared mean, plus ``noise_var``. Members of
     zero weight do not count, whatever their predictions."""
     preds = _predictions(model, weight_sets, x)
-    w = _member_weights(weights, preds)
-    preds = _counted(preds, w)  # a member of zero weight (say, a quarantined NaN model) has no say
+    preds, w = _counted(preds, _member_weights(weights, preds))  # a member of zero weight has no say
     mu = w @ preds
     var = (w @ preds.square() - mu.square()).clamp_min(0) + noise_var
     return mu, var.sqrt()
