@@ -49,7 +49,9 @@ def sample_weights(round: Round, rule: str) -> torch.Tensor:
     """n_k / sum_i n_i (:func:`normalised`), with a clear error when every reported count is zero."""
     total = float(round.num_samples.sum())  # one read of the total (a sync on a GPU), reused below
     if not total > 0:
-        raise RoundRefused(f"{rule}: the reported num_samples sum to {total}; sample weights need a positive total")
+        raise RoundRefused(
+            f"{rule}: the reported num_samples sum to {total}; sample weights need a positive total"
+        )
     return normalised(round.num_samples, total)
 
 

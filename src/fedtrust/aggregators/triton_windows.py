@@ -11,15 +11,13 @@ power of two. Two kernels (:mod:`~fedtrust.aggregators.triton_kernels`) find eac
   one client's row at a time: n^2 comparisons a column but no data moved between threads, which a
   bitonic network over 32 or more values spends its time (and registers) on.
 
-Each writes the window's mean, flags the columns where a value at an edge of the window also lies
-outside it (a tie across the edge), and counts per client the entries between the edge values of the
-other columns: the slots they hold, as :func:`~fedtrust.aggregators.rank_windows.window_slots` counts
-them on the CPU. The flagged columns (rare for real-valued updates; every column when sybils' copies
-straddle an edge) then get :func:`~fedtrust.aggregators.rank_windows.window_shares`' exact shares
-through torch. So the window and the norms take one read of x, where the torch path
-(:func:`~fedtrust.aggregators.rank_windows.rank_window_by_sort`) transposes x and sorts it in global
-memory. A kernel that fails to build or launch (a GPU or toolchain Triton does not serve) is reported
-once as a warning and the torch path serves from then on.
+Each writes the window's mean and, per client, its share of the window's slots with the CPU path's tie
+rule (an entry whose value the window keeps k of its c copies of holds k / c; see
+:mod:`~fedtrust.aggregators.triton_kernels`), and the sum of squares of its entries. So the window, the
+tie shares (sybils' copies straddling an edge included) and the norms take one read of x and no sync,
+where the torch path (:func:`~fedtrust.aggregators.rank_windows.rank_window_by_sort`) transposes x and
+sorts it in global memory. A kernel that fails to build or launch (a GPU or toolchain Triton does not
+serve) is reported once as a warning and the torch path serves from then on.
 
 Runs for float32/float64 CUDA tensors of at most :data:`MAX_CLIENTS` rows when Triton imports (torch's
 CUDA builds ship it); ``FEDTRUST_TRITON=0`` turns it off. Under ``TRITON_INTERPRET=1`` it runs on CPU
@@ -104,13 +102,11 @@ def method_for(n: int) -> str:
 
 def rank_window(x: torch.Tensor, lo: int, hi: int, method: str | None = None) -> tuple[torch.Tensor, ...]:
     """(d,) means of ranks lo..hi-1 per column of ``x`` (n, d), (n,) each client's share of the
-    window's slots (ties across an edge shared evenly) and (n,) float64 row norms taken in the same read:
-    what :func:`~fedtrust.aggregators.rank_windows.rank_window` returns, for ``x`` that :func:`suits`.
-    ``method``: the kernel (:func:`method_for` by default). One sync: the count of columns with a tie
-    across an edge."""
-    from fedtrust.aggregators.chunks import column_width
+    window's slots (ties across an edge shared evenly) and (n,) float64 row norms, all from one read of
+    ``x``: what :func:`~fedtrust.aggregators.rank_windows.rank_window` returns, for ``x`` that
+    :func:`suits`. ``method``: the kernel (:func:`method_for` by default). No sync."""
     from fedtrust.aggregators.passes import row_norms
-    from fedtrust.aggregators.rank_windows import rank_window_by_sort, window_shares
+    from fedtrust.aggregators.rank_windows import rank_window_by_sort
 
     n, d = x.shape
     method = method or method_for(n)
@@ -118,13 +114,12 @@ def rank_window(x: torch.Tensor, lo: int, hi: int, method: str | None = None) ->
     block = max(16, TILES[method] // n_pad)
     programs = -(-d // block)
     out = torch.empty(d, dtype=x.dtype, device=x.device)
-    parts = torch.empty(programs, n_pad, dtype=torch.int32, device=x.device)
+    parts = torch.empty(programs, n_pad, dtype=x.dtype, device=x.device)
     sq = torch.empty(programs, n_pad, dtype=x.dtype, device=x.device)
-    cross = torch.empty(d, dtype=torch.int8, device=x.device)
     try:  # on x's GPU: Triton launches on the current device
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             kernel = _kernels()[method]
-            kernel[(programs,)](x, out, parts, sq, cross, n, d, x.stride(0), x.stride(1), int(lo), int(hi),
+            kernel[(programs,)](x, out, parts, sq, n, d, x.stride(0), x.stride(1), int(lo), int(hi),
                                 N_PAD=n_pad, BLOCK=block, num_warps=WARPS[method])  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - any build or launch failure: the torch path, said once
         FAILURE.append(f"{type(exc).__name__}: {exc}"[:300])
@@ -132,10 +127,4 @@ def rank_window(x: torch.Tensor, lo: int, hi: int, method: str | None = None) ->
                       "mean take the torch path from now on", RuntimeWarning, stacklevel=2)  # fmt: skip
         return (*rank_window_by_sort(x, lo, hi), row_norms(x))
     slots = parts.sum(0, dtype=torch.float64)[:n]
-    norms = sq.sum(0, dtype=torch.float64)[:n].sqrt()
-    tied = torch.nonzero(cross).flatten()
-    if len(tied):  # the columns a tie crosses an edge of: exact shares
-        for cols in tied.split(column_width(x, "stream")):
-            t = x.index_select(1, cols).T.contiguous()
-            slots += window_shares(t, t.sort(dim=1).values, lo, hi).sum(0)
-    return out, (slots / slots.sum()).to(x.dtype), norms
+    return out, (slots / slots.sum()).to(x.dtype), sq.sum(0, dtype=torch.float64)[:n].sqrt()
