@@ -44,7 +44,7 @@ class CenteredClipping(BaseRule):
     def first_pass(self, round: Round) -> FirstPass:  # the distances to the centre take the norms
         x = round.updates
         v = self._center
-        passes = CombinationPasses(x)
+        passes = CombinationPasses(x, host=True)  # the n clip factors are computed on the host
         if v is None:  # the first round: the centre is zero (None here) and the distances are the norms
             dist = passes.norms()
         elif v.numel() != round.d:
@@ -63,7 +63,7 @@ class CenteredClipping(BaseRule):
         x = round.updates
         n = round.n
         passes, v, dist = first.value
-        coef = torch.zeros(n, dtype=torch.float64, device=x.device)
+        coef = torch.zeros(n, dtype=torch.float64)  # on the host, with dist (CombinationPasses' host)
         center_weight = 1.0
         for it in range(self.n_iter):
             clip = (self.tau / dist.clamp_min(torch.finfo(torch.float64).tiny)).clamp(max=1.0)
@@ -79,8 +79,11 @@ class CenteredClipping(BaseRule):
         self._center = v.detach().clone()
         total = coef.sum()
         weights = coef / total if total > 0 else torch.full_like(coef, 1.0 / n)
-        info = {"center_weight": center_weight, "clients": {"clip": clip, "distance": dist}}
-        return Aggregate(v, weights.to(x.dtype), info)
+        info = {
+            "center_weight": center_weight,
+            "clients": {"clip": clip.to(x.device), "distance": dist.to(x.device)},
+        }
+        return Aggregate(v, weights.to(x.device, x.dtype), info)
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self._center is None else {"center": self._center.cpu().clone()}

@@ -82,7 +82,10 @@ def _ill_conditioned(g: torch.Tensor, dist: torch.Tensor, limit: float) -> bool:
 
 def pairwise_sq_distances(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(n, n) float64 squared Euclidean distances between the rows of ``x`` from one Gram matrix, and the
-    (n,) float64 norms of the rows (the raw Gram's diagonal: a rule's first pass screens on them).
+    (n,) float64 norms of the rows (the raw Gram's diagonal: a rule's first pass screens on them). Both on
+    the CPU whatever x's device: the Gram matrices are taken on x's device and moved in one transfer
+    each, and every caller turns the n^2 numbers into a choice of clients (sorts, quantiles, argmins),
+    which on the host costs neither kernel launches nor a sync each.
 
     First from the raw Gram (one GEMM pass). If some point's squared norm exceeds ``_RAW_LIMIT`` times
     the 20% quantile of the pairwise distances (a large common component, as with raw parameters), float32
@@ -92,16 +95,16 @@ def pairwise_sq_distances(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     median distance to the others).
     """
     n = x.shape[0]
-    g = gram(x)
+    g = gram(x).cpu()
     norms = g.diagonal().sqrt()
     if n < 3:  # too few points for the conditioning test: centred at once
-        return sq_distances_from_gram(gram(x, "mean")), norms
+        return sq_distances_from_gram(gram(x, "mean").cpu()), norms
     dist = sq_distances_from_gram(g)
     if not _ill_conditioned(g, dist, _RAW_LIMIT):
         return dist, norms
-    g = gram(x, "mean")
+    g = gram(x, "mean").cpu()
     dist = sq_distances_from_gram(g)
     if _ill_conditioned(g, dist, _CONDITION_LIMIT):
         anchor = int(dist.median(dim=1).values.argmin())
-        dist = sq_distances_from_gram(gram(x, x[anchor]))
+        dist = sq_distances_from_gram(gram(x, x[anchor]).cpu())
     return dist, norms

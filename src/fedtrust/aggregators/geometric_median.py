@@ -52,15 +52,15 @@ class GeometricMedian(BaseRule):
     def first_pass(self, round: Round) -> FirstPass:  # the first step's fused pass takes the norms
         x = round.updates
         if self.weighted:
-            alpha = sample_weights(round, self.name).to(torch.float64)
+            alpha = sample_weights(round, self.name).to("cpu", torch.float64)
         else:
-            alpha = torch.full((round.n,), 1.0 / round.n, dtype=torch.float64, device=x.device)
-        passes = CombinationPasses(x)  # one fused pass a step
+            alpha = torch.full((round.n,), 1.0 / round.n, dtype=torch.float64)
+        passes = CombinationPasses(x, host=True)  # one fused pass a step; the n weights on the host
         z, sq, _ = passes(alpha)
         return FirstPass((passes, alpha, z, sq), passes.norms())
 
     def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
-        x = round.updates
+        x = round.updates  # (the step's n-sized arithmetic runs on the host: CombinationPasses' host)
         passes, alpha, z, sq = first.value
         beta = alpha
         dist = sq.sqrt()
@@ -75,9 +75,7 @@ class GeometricMedian(BaseRule):
             z, sq, step = passes(beta, previous=z)
             dist = sq.sqrt()
             iterations += 1
-            # the step's scalars in one read (one sync a step on a GPU)
-            size = torch.linalg.vector_norm(z).to(torch.float64)
-            scale, step, objective, size = torch.stack([scale, step, alpha @ dist, size]).tolist()
+            scale, step, objective, size = torch.stack([scale, step, alpha @ dist, passes.z_norm]).tolist()
             trace.append(objective)
             if step <= tol * scale or step <= rounding * size:
                 converged = True
@@ -89,6 +87,6 @@ class GeometricMedian(BaseRule):
             "trace": trace,
             "last_step": step,
             "tol": tol,
-            "clients": {"distance": dist},
+            "clients": {"distance": dist.to(x.device)},
         }
-        return Aggregate(z, beta.to(x.dtype), info)
+        return Aggregate(z, beta.to(x.device, x.dtype), info)

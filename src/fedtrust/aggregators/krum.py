@@ -56,13 +56,13 @@ class Krum(BaseRule):
         return scores, order, f
 
     def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
-        scores, order, f = self._order(round, first)
+        scores, order, f = self._order(round, first)  # on the host, with the distances
         best = int(order[0])
-        w = torch.zeros(round.n, dtype=round.updates.dtype, device=round.updates.device)
+        w = torch.zeros(round.n, dtype=round.updates.dtype)
         w[best] = 1.0
         w = copies_alike(round, first, w)
-        info = {"f": f, "selected": [round.client_ids[best]], "clients": {"score": scores}}
-        return Aggregate(round.updates[best].clone(), w, info)
+        info = {"f": f, "selected": [round.client_ids[best]], "clients": {"score": _there(round, scores)}}
+        return Aggregate(round.updates[best].clone(), _there(round, w), info)
 
 
 class MultiKrum(Krum):
@@ -84,16 +84,21 @@ class MultiKrum(Krum):
         scores, order, f = self._order(round, first)
         m = round.n - f if self.m is None else min(self.m, round.n)
         chosen = order[:m]
-        w = torch.zeros(round.n, dtype=round.updates.dtype, device=round.updates.device)
+        w = torch.zeros(round.n, dtype=round.updates.dtype)
         w[chosen] = 1.0 / m
-        w = copies_alike(round, first, w)
+        w = _there(round, copies_alike(round, first, w))
         info = {
             "f": f,
             "m": m,
             "selected": [round.client_ids[i] for i in sorted(chosen.tolist())],
-            "clients": {"score": scores},
+            "clients": {"score": _there(round, scores)},
         }
         return Aggregate(weighted_sum(round.updates, w), w, info)
+
+
+def _there(round: Round, t: torch.Tensor) -> torch.Tensor:
+    """A result computed on the host (the distances live there), on the round's device."""
+    return t.to(round.updates.device)
 
 
 def copies_alike(round: Round, first: FirstPass, weights: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``sum_i w_i x_i``, a single pass over ``x``: one matrix-vector product per thread over its run of
     columns (:func:`batch_size`, as one batched product), the columns left over in one more. ``w`` (m, n)
     gives the m weighted sums (m, d), one matrix product."""
-    w, (n, d) = w.to(x.dtype), x.shape
+    w, (n, d) = w.to(device=x.device, dtype=x.dtype), x.shape
     if w.dim() != 1 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return w @ x  # (products with out= do not differentiate)
     out = torch.empty(d, dtype=x.dtype, device=x.device)
@@ -81,6 +81,17 @@ def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         k = width = 0
     torch.mv(x[:, k * width :].T, w, out=out[k * width :])
     return out
+
+
+def moved(device: torch.device, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``tensors`` (None kept) on ``device``, in one transfer when they are elsewhere: flattened into one
+    buffer of their common dtype, moved, and split back."""
+    present = [t for t in tensors if t is not None]
+    if all(t.device == device for t in present):
+        return tensors
+    buffer = torch.cat([t.reshape(-1) for t in present]).to(device)
+    parts = iter(buffer.split([t.numel() for t in present]))
+    return tuple(None if t is None else next(parts).view(t.shape) for t in tensors)
 
 
 class CombinationPasses:
@@ -95,20 +106,28 @@ class CombinationPasses:
     kept. Per-chunk float32 partial sums are added in float64. Where the expansion cancels (a distance
     below ``EXPANSION_FLOOR`` of ||x_j||^2 + ||z||^2, as when the points share a large common component)
     those distances are redone by explicit differences.
+
+    With ``host`` the per-point results (norms, squared distances, the step, ``z_norm``) are returned on
+    the CPU whatever x's device, and the weights may be given there: on a GPU a call then moves them in
+    one transfer, and the caller's arithmetic on n numbers costs neither kernel launches nor a sync each
+    (at a small round, launches and syncs are most of a GPU rule's time). On the CPU it changes nothing.
     """
 
     #: Squared distances below this fraction of ||x_j||^2 + ||z||^2 are recomputed by differences.
     EXPANSION_FLOOR = 1e-2
 
-    def __init__(self, x: torch.Tensor, norms: torch.Tensor | None = None):
+    def __init__(self, x: torch.Tensor, norms: torch.Tensor | None = None, host: bool = False):
         """``norms``: the points' norms if already known, else the first pass takes them
         (:meth:`norms` returns them, which makes that pass a rule's first pass: the front door screens
-        on them)."""
+        on them). ``host``: the per-point results on the CPU (the class docstring)."""
         self.flat = x.dim() == 2
         self.x = x if x.dim() == 3 else x[None]
+        self.small = torch.device("cpu") if host else x.device  # where the per-point results live
         i, j, k = self.x.shape
         # (I, J) float64 squared norms, given or from the first pass
-        self.sq_norms = None if norms is None else norms.to(torch.float64).square().reshape(i, j)
+        self.sq_norms = None if norms is None else norms.to(self.small, torch.float64).square().reshape(i, j)
+        #: ||z|| of the last call's combination (float64, (I,) for tasks), from the pass's partial sums
+        self.z_norm: torch.Tensor | None = None
         self.blocks = column_blocks(self.x, "cached")  # read twice: the second time from cache
 
     def _batches(self) -> list[tuple[int, int]]:
@@ -127,7 +146,7 @@ class CombinationPasses:
         """(n,) or (I, J) float64 norms of the points (:func:`row_norms`): one pass the first time unless
         they were given or a call took them, then kept."""
         if self.sq_norms is None:
-            self.sq_norms = row_norms(self.x).square()
+            self.sq_norms = row_norms(self.x).square().to(self.small)
         out = self.sq_norms.sqrt()
         return out[0] if self.flat else out
 
@@ -145,7 +164,7 @@ class CombinationPasses:
         x = self.x
         i, j, k = x.shape
         like = dict(dtype=x.dtype, device=x.device)
-        w = None if w is None else w.reshape(i, j).to(x.dtype)
+        w = None if w is None else w.reshape(i, j).to(device=x.device, dtype=x.dtype)
         offset = None if offset is None else offset.reshape(i, k)
         previous = None if previous is None else previous.reshape(i, k)
         z = torch.empty(i, k, **like) if out is None else out.reshape(i, k)
@@ -186,9 +205,11 @@ class CombinationPasses:
                     torch.linalg.vector_norm(c, dim=-1, out=norms[b])
                 if previous is not None:
                     steps[b] = torch.linalg.vector_norm(zc - previous[:, cols])
+        dots, z_sq, steps, norms = moved(self.small, dots, z_sq, steps, norms)
         if norms is not None:
             self.sq_norms = norms.to(torch.float64).square().sum(0)
         dots, z_sq = dots.to(torch.float64).sum(0), z_sq.to(torch.float64).sum(0)[:, None]
+        self.z_norm = z_sq[:, 0].sqrt() if not self.flat else z_sq[0, 0].sqrt()
         sq = (self.sq_norms - 2 * dots + z_sq).clamp_min(0)
         unresolved = sq < self.EXPANSION_FLOOR * (self.sq_norms + z_sq)
         if unresolved.any():
@@ -196,7 +217,7 @@ class CombinationPasses:
             for cols in self.blocks:
                 diff = x[:, :, cols] - z[:, None, cols]
                 exact += torch.linalg.vector_norm(diff, dim=-1).to(torch.float64).square()
-            sq = torch.where(unresolved, exact, sq)
+            sq = torch.where(unresolved, exact.to(self.small), sq)
         step = steps.to(torch.float64).square().sum().sqrt()  # a tensor: read it only if you need it
         if self.flat:
             return z[0], sq[0], step

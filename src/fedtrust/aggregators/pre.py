@@ -109,6 +109,7 @@ class NNM(PreAggregator):
         copies = near_duplicates(x, dist, norms)
         if not copies.trivial:  # each column of a group of copies gets the group's mean column
             m = copies.expand(copies.pool(m.T)).T.contiguous()
+        m = m.to(x.device)  # built on the host, with the distances
         return _mix(m, x), m
 
 

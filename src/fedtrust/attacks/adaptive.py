@@ -46,7 +46,7 @@ def perturbation(mean: torch.Tensor, std: torch.Tensor, direction: str) -> torch
 def spread(ctx: AttackContext, knowledge: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The known updates' rows, their float64 squared distances to each other, and each one's squared
     distance to their mean from those (||x_i - mu||^2 = mean_j D_ij - sum_jl D_jl / (2 k^2): no centred
-    copy of the matrix)."""
+    copy of the matrix); both on the host (:func:`pairwise_sq_distances`)."""
     rows = ctx.rows(knowledge)
     dist, _ = pairwise_sq_distances(ctx.updates.index_select(0, rows))
     k = len(rows)
@@ -97,7 +97,9 @@ class MinMax(_Agnostic):
     def gamma(self, ctx, mean, p, a):
         rows, dist, to_mean = spread(ctx, self.knowledge)
         c = to_mean - dist.max()
-        b = float(p @ mean) - (ctx.updates.index_select(0, rows) @ p).to(torch.float64)  # <p, mu - x_i>
+        b = float(p @ mean) - (ctx.updates.index_select(0, rows) @ p).to(
+            "cpu", torch.float64
+        )  # <p, mu - x_i>
         roots = (-b + (b.square() - a * c).clamp_min(0).sqrt()) / a
         return max(0.0, float(roots.min()))
 
@@ -166,7 +168,7 @@ class FangKrum(Knowing):
             lam = 0.0
         lam += float(norms.max()) / root_d
         proj = (known @ s).to(
-            torch.float64
+            "cpu", torch.float64
         )  # ||-lam s - x_j||^2 = lam^2 ||s||^2 + 2 lam <s, x_j> + ||x_j||^2
         s2 = float(s.square().sum())
         neighbours = m - c - 2
