@@ -110,14 +110,14 @@ def test_the_emulated_device_catches_a_mix_as_cuda_would():
 def test_per_client_arithmetic_runs_on_the_host_one_transfer_a_pass(name, transfers):
     """Weiszfeld steps, clip factors and Krum scores are arithmetic on n (or n^2) numbers: on a device
     each pass over the updates moves its results to the host in one transfer and the rule reads nothing
-    more (a GPU's small round is its launches and syncs); the round's screening reads its counts once.
-    The results come back on the device."""
+    more (a GPU's small round is its launches and syncs); the round's screening reads two scalars of
+    its counts. The results come back on the device."""
     r = random_round(0, dtype=torch.float32)
     with elsewhere() as host:
         out = rule(name)(there(r))
     assert isinstance(out.weights, Elsewhere)
     assert all(isinstance(v, Elsewhere) for v in out.info["clients"].values())
-    assert (host.syncs, host.transfers) == (1, transfers(out))
+    assert (host.syncs, host.transfers) == (2, transfers(out))
 
 
 # ------------------------------------------------------------------ attacks, estimators, FedAG

@@ -93,10 +93,10 @@ def _screen_updates(round: Round) -> dict[int, str]:
 def _screen_scalars(round: Round, requires: Sequence[str], rule: str) -> dict[int, str]:
     bad: dict[int, str] = {}
     counts = round.num_samples
-    if not requires and len(counts):  # the usual case: two reductions, one read (a NaN fails the first
-        low, total = torch.stack([counts.min(), counts.sum()]).tolist()  # test, an Inf the second)
-        if low >= 0 and math.isfinite(total):
-            return bad
+    # the usual case in two reductions (a NaN fails the first test, an Inf the second), read one at a time:
+    # on an H200 one read of both, stacked, made a small round 10-25 us slower
+    if not requires and len(counts) and float(counts.min()) >= 0 and math.isfinite(float(counts.sum())):
+        return bad
     for i in torch.nonzero(~(torch.isfinite(counts) & (counts >= 0))).flatten().tolist():
         bad.setdefault(i, f"num_samples={counts[i].item()!r} is not a finite non-negative count")
     for name in requires:
