@@ -43,6 +43,7 @@ gpu-bench: $(STAMP) fashion-mnist
 	$(BIN)/python -m pip install --quiet --no-deps byzfl==0.0.11
 	$(BIN)/python -m pytest tests/test_cuda.py
 	$(BIN)/python benchmarks/gpu.py
+	$(BIN)/python benchmarks/gpu_rank_windows.py
 	$(BIN)/python benchmarks/simulation.py --data fashion_mnist --models softmax mlp cnn --device cuda \
 		--flower-devices cpu cuda --out benchmarks/results/simulation_gpu
 

@@ -23,8 +23,9 @@ Runs for float32/float64 CUDA tensors of at most :data:`MAX_CLIENTS` rows when T
 CUDA builds ship it); ``FEDTRUST_TRITON=0`` turns it off. Under ``TRITON_INTERPRET=1`` it runs on CPU
 tensors in Triton's interpreter, which is how the tests check the kernels on a machine without a GPU.
 
-Measured on an H200 (a median window of float32 ``randn``, ms, d = 1e6 / 1e7; the torch path's time
-includes its separate pass for the norms):
+Measured on an H200 (``benchmarks/gpu_rank_windows.py``, results/gpu_rank_windows.json: a median window
+of float32 ``randn``, ms, d = 1e6 / 1e7; the torch path's time includes its separate pass for the
+norms; the kernels of commit ec22266, before they shared tied slots themselves):
 
 =====  =============  ============  ===========
 n      torch path     ``"sort"``    ``"count"``
