@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,24 +21,19 @@ from fedtrust.aggregators import triton_windows
 from fedtrust.aggregators.passes import row_norms
 from fedtrust.aggregators.rank_windows import rank_window_by_sort
 
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu import timed as timed_seconds  # noqa: E402
+
+
+def timed(call) -> float:
+    """Milliseconds: gpu.py's median of 5 synchronised calls after a warm-up."""
+    return timed_seconds(call, 5) * 1e3
+
+
 #: (label, kernel, values per tile, warps) timed at every n; COUNT_TILES also at the largest n
 VARIANTS = [("sort", "sort", 8192, 4), ("count4k", "count", 4096, 4), ("count2k", "count", 2048, 4),
             ("count4k8w", "count", 4096, 8)]  # fmt: skip
 COUNT_TILES = [("count8k8w", "count", 8192, 8), ("count2k8w", "count", 2048, 8)]
-
-
-def timed(call, repeat: int = 5) -> float:
-    """Median milliseconds of ``repeat`` calls after one warm-up, each between synchronisations."""
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        began = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e3
 
 
 def measure(n: int, d: int, dtype: torch.dtype, variants: list[tuple]) -> dict:
