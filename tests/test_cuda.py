@@ -89,3 +89,30 @@ def test_each_rank_window_kernel_matches_the_torch_path(n, method, dtype):
                 torch.testing.assert_close(values.cpu(), want_values, rtol=8 * n * eps, atol=8 * n * eps)
                 torch.testing.assert_close(weights.cpu(), want_weights, rtol=16 * eps, atol=16 * eps)
                 torch.testing.assert_close(norms.cpu(), row_norms(x), rtol=16 * eps, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize(("n", "f"), [(7, 1), (11, 2), (100, 24)])
+def test_the_bulyan_kernel_gives_the_cpus_values_to_the_bit(n, f, dtype):
+    """Bulyan's second phase in one kernel does the CPU path's float64 arithmetic in its order: the same
+    values to the bit, and the slot shares to the dtype's rounding, for continuous values, a few distinct
+    ones and a block of copies among the selected clients."""
+    from fedtrust.aggregators import triton_windows
+    from fedtrust.aggregators.bulyan import closest_to_median
+
+    g = torch.Generator().manual_seed(n)
+    theta, beta = n - 2 * f, n - 4 * f
+    selected = torch.randperm(n, generator=g)[:theta]
+    continuous = torch.randn(n, 3000, generator=g, dtype=dtype)
+    few = torch.randint(0, 3, (n, 3000), generator=g).to(dtype)
+    copies = continuous.clone()
+    copies[-(f + 1) :] = copies[-1]
+    eps = torch.finfo(dtype).eps
+    for x in (continuous, few, copies):
+        values, weights = triton_windows.closest_to_median(x.cuda(), selected.cuda(), beta)
+        assert not triton_windows.FAILURE
+        want, slots = closest_to_median(x.numpy(), selected.sort().values.numpy(), beta)
+        assert torch.equal(values.cpu(), torch.from_numpy(want))
+        torch.testing.assert_close(
+            weights.cpu(), torch.from_numpy(slots / slots.sum()).to(dtype), rtol=16 * eps, atol=16 * eps
+        )

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedtrust.aggregators import triton_windows
+from fedtrust.aggregators.bulyan import closest_to_median, closest_to_median_by_sort
 from fedtrust.aggregators.passes import row_norms
 from fedtrust.aggregators.rank_windows import rank_window, rank_window_by_sort
 
@@ -87,6 +88,53 @@ def test_each_kernel_serves_up_to_the_limit_and_copies(n, method):
     check(x.T.contiguous().T, n // 2 - 1, n // 2 + 1, method)
 
 
+def check_bulyan(x: torch.Tensor, selected: torch.Tensor, beta: int) -> None:
+    """Bulyan's second phase by the kernel against the CPU path's numpy: the same values to the bit (the
+    same float64 arithmetic in the same order) and the same slot shares to the dtype's rounding."""
+    triton_windows.FAILURE.clear()
+    values, weights = triton_windows.closest_to_median(x, selected, beta)
+    assert not triton_windows.FAILURE, triton_windows.FAILURE
+    want_values, slots = closest_to_median(x.numpy(), selected.sort().values.numpy(), beta)
+    assert torch.equal(values, torch.from_numpy(want_values))
+    eps = torch.finfo(x.dtype).eps
+    torch.testing.assert_close(
+        weights, torch.from_numpy(slots / slots.sum()).to(x.dtype), rtol=16 * eps, atol=16 * eps
+    )
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    n=st.integers(1, 24),
+    d=st.integers(1, 40),
+    ties=st.sampled_from([0, 2, 5]),
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_the_bulyan_kernel_gives_the_cpus_values_to_the_bit(n, d, ties, data, dtype):
+    """Any selection of rows (in any order) and any beta, continuous values or a few distinct ones."""
+    theta = data.draw(st.integers(1, n))
+    beta = data.draw(st.integers(1, theta))
+    g = torch.Generator().manual_seed(n * 1009 + d)
+    x = (
+        torch.randn(n, d, generator=g, dtype=dtype)
+        if not ties
+        else torch.randint(0, ties, (n, d), generator=g)
+    )
+    check_bulyan(x.to(dtype), torch.randperm(n, generator=g)[:theta], beta)
+
+
+def test_the_bulyan_kernel_on_copies_and_a_transposed_input():
+    """Bulyan's shapes (n = 4f + 3 and more, theta = n - 2f, beta = theta - 2f) with a group of copies
+    among the selected clients, and a non-contiguous input."""
+    g = torch.Generator().manual_seed(3)
+    for n, f in [(7, 1), (11, 2), (40, 9)]:
+        x = torch.randn(n, 64, generator=g)
+        x[-(f + 1) :] = x[-1]
+        theta, selected = n - 2 * f, torch.arange(n)[f:]
+        check_bulyan(x, selected[: n - 2 * f], theta - 2 * f)
+        check_bulyan(x.T.contiguous().T, selected[: n - 2 * f], theta - 2 * f)
+
+
 def test_the_count_kernel_packs_its_tallies_up_to_1023_clients():
     """below << 20 | equal << 10 | equal of lower row: the largest n the packing holds, all entries tied
     (every tally at its limit) and continuous."""
@@ -119,7 +167,7 @@ def test_a_kernel_that_fails_hands_over_to_the_torch_path_once(monkeypatch):
         def launch(*args, **kwargs):
             raise RuntimeError("no kernel image is available for execution on the device")
 
-        return {"sort": {(1,): launch, (2,): launch}}
+        return {"sort": {(1,): launch, (2,): launch}, "closest": {(1,): launch}}
 
     monkeypatch.setattr(triton_windows, "_kernels", broken)
     monkeypatch.setattr(triton_windows, "FAILURE", [])
@@ -131,3 +179,9 @@ def test_a_kernel_that_fails_hands_over_to_the_torch_path_once(monkeypatch):
     torch.testing.assert_close(weights, want[1])
     torch.testing.assert_close(norms, row_norms(x))
     assert not triton_windows.suits(x)
+    monkeypatch.setattr(triton_windows, "FAILURE", [])  # Bulyan's kernel hands over the same way
+    with pytest.warns(RuntimeWarning, match="no kernel image"):
+        values, weights = triton_windows.closest_to_median(x, torch.tensor([0, 2, 4]), 1)
+    want = closest_to_median_by_sort(x, torch.tensor([0, 2, 4]), 1)
+    torch.testing.assert_close(values, want[0])
+    torch.testing.assert_close(weights, want[1])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedtrust.aggregators import triton_windows
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.chunks import column_blocks
 from fedtrust.aggregators.core import Aggregate, Round, byzantine_budget, check_f
@@ -73,6 +74,8 @@ class Bulyan(BaseRule):
             vector, weights, _ = map_column_blocks(
                 round.updates, lambda b: closest_to_median(b, selected.numpy(), beta)
             )
+        elif triton_windows.suits(round.updates, rows=theta):  # CUDA: one kernel, the CPU's arithmetic
+            vector, weights = triton_windows.closest_to_median(round.updates, selected, beta)
         else:
             vector, weights = closest_to_median_by_sort(round.updates, selected, beta)
         info = {
@@ -106,9 +109,10 @@ def closest_to_median(block: np.ndarray, selected: np.ndarray, beta: int) -> tup
 
 
 def closest_to_median_by_sort(x: torch.Tensor, selected: torch.Tensor, beta: int):
-    """The same with torch ops on x's device: per column, the window of ``beta`` consecutive ranks with
-    the least total distance to the median (the first such window, as on the CPU), ties shared as on the
-    CPU (:func:`~fedtrust.aggregators.rank_windows.window_slot_sums`)."""
+    """The same with torch ops on x's device, where the Triton kernel does not serve
+    (:func:`~fedtrust.aggregators.triton_windows.closest_to_median`): per column, the window of ``beta``
+    consecutive ranks with the least total distance to the median (the first such window, as on the
+    CPU), ties shared as on the CPU (:func:`~fedtrust.aggregators.rank_windows.window_slot_sums`)."""
     theta = len(selected)
     lo, hi = median_window(theta)
     n, d = x.shape

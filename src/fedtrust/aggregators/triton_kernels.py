@@ -1,11 +1,13 @@
 """The Triton kernels of :mod:`~fedtrust.aggregators.triton_windows` (imported only where Triton is).
 
-Per column of an (n, d) matrix x, each kernel finds the mean of the values of ranks lo..hi-1 and each
-entry's share of the window's slots, with the tie rule of
+Per column of an (n, d) matrix x, ``sort_kernel`` and ``count_kernel`` find the mean of the values of
+ranks lo..hi-1 and each entry's share of the window's slots, with the tie rule of
 :func:`~fedtrust.aggregators.rank_windows.window_shares`: a value held by c entries of the column, k of
 whose ranks the window keeps, gives each of those entries k / c (1 for a value inside the window held
-once, 0 outside). Per program (a tile of BLOCK columns) it stores each client's sum of shares and sum of
-squares, summed over the programs by the caller. Rows are padded to N_PAD, a power of two.
+once, 0 outside). Per program (a tile of BLOCK columns) they store each client's sum of shares and sum
+of squares, summed over the programs by the caller. ``closest_kernel`` is Bulyan's second phase: per
+column a window of ranks of its own, chosen as the CPU path chooses it. Rows are padded to N_PAD, a
+power of two.
 """
 
 try:
@@ -27,15 +29,45 @@ def finish(tile, ranked, share, ok, col_ok, cols, rows, pid, out_ptr, parts_ptr,
 
 
 @triton.jit
-def load_tile(x_ptr, n, d, stride_row, stride_col, pad, N_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """The program's (BLOCK, N_PAD) tile of x's columns (``pad`` outside x), its columns, rows and masks."""
+def load_tile(x_ptr, sel_ptr, n, d, stride_row, stride_col, pad, INDEXED: tl.constexpr, N_PAD: tl.constexpr,
+              BLOCK: tl.constexpr):  # fmt: skip
+    """The program's (BLOCK, N_PAD) tile of x's columns (``pad`` outside x), its columns, rows and masks.
+    With ``INDEXED`` the tile's n rows are x's rows ``sel[0..n-1]`` (an int64 index), else its first n."""
     pid = tl.program_id(0)
     cols = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     rows = tl.arange(0, N_PAD)
     col_ok = cols < d
     ok = col_ok[:, None] & (rows < n)[None, :]
-    offsets = cols[:, None] * stride_col + rows.to(tl.int64)[None, :] * stride_row
+    if INDEXED:
+        source = tl.load(sel_ptr + rows, mask=rows < n, other=0)
+    else:
+        source = rows.to(tl.int64)
+    offsets = cols[:, None] * stride_col + source[None, :] * stride_row
     return tl.load(x_ptr + offsets, mask=ok, other=pad), cols, rows, col_ok, ok, pid
+
+
+@triton.jit
+def tally(x_ptr, sel_ptr, tile, cols, col_ok, rows, n, stride_row, stride_col, INDEXED: tl.constexpr,
+          N_PAD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Each entry's tallies against every row of its column, read one row at a time: the values below it
+    and those equal to it, the equal ones of lower row apart, packed in one int32 (below << 20 |
+    equal << 10 | equal of lower row; n < 1024). Returns (below, equal, rank): the entry's value holds
+    ranks below .. below + equal - 1, and in row order the entry itself has rank below + (equal of lower
+    row). ``equal`` is 0 only for NaN (the caller's screening discards such a pass)."""
+    code = tl.zeros((BLOCK, N_PAD), dtype=tl.int32)
+    row = x_ptr + cols * stride_col
+    j = 0
+    while j < n:  # (a while loop: Triton's interpreter cannot range over a runtime n)
+        if INDEXED:  # (int64 offsets: the index is int64, the pointer steps 64-bit)
+            v = tl.load(row + tl.load(sel_ptr + j) * stride_row, mask=col_ok, other=0.0)[:, None]
+        else:
+            v = tl.load(row, mask=col_ok, other=0.0)[:, None]
+            row += stride_row
+        code += tl.where(v < tile, 1 << 20, 0)
+        code += tl.where(v == tile, tl.where(rows[None, :] > j, 1025, 1024), 0)
+        j += 1
+    below = code >> 20
+    return below, (code >> 10) & 1023, below + (code & 1023)
 
 
 @triton.jit(do_not_specialize=["n", "d", "lo", "hi"])  # one build per tile shape and dtype
@@ -45,7 +77,8 @@ def sort_kernel(x_ptr, out_ptr, parts_ptr, sq_ptr, n, d, stride_row, stride_col,
     low and high: an entry strictly between them has share 1, one equal to an edge value k / c, with k
     the window's ranks holding that value and c the column's entries equal to it."""
     inf = float("inf")  # the padding: sorts last
-    tile, cols, rows, col_ok, ok, pid = load_tile(x_ptr, n, d, stride_row, stride_col, inf, N_PAD, BLOCK)
+    tile, cols, rows, col_ok, ok, pid = load_tile(x_ptr, x_ptr, n, d, stride_row, stride_col, inf, False,
+                                                  N_PAD, BLOCK)  # fmt: skip
     ordered = tl.sort(tile, dim=1)
     ranks = tl.arange(0, N_PAD)[None, :]
     window = (ranks >= lo) & (ranks < hi)
@@ -65,26 +98,67 @@ def sort_kernel(x_ptr, out_ptr, parts_ptr, sq_ptr, n, d, stride_row, stride_col,
 @triton.jit(do_not_specialize=["n", "d", "lo", "hi"])
 def count_kernel(x_ptr, out_ptr, parts_ptr, sq_ptr, n, d, stride_row, stride_col, lo, hi,
                  N_PAD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Each entry's ranks counted: against every client's value of its column, read one client (row)
-    at a time, it tallies the values below it and those equal to it, the equal ones of lower row apart,
-    packed in one int32 (below << 20 | equal << 10 | equal of lower row; n < 1024). The entry's value
-    holds ranks below .. below + equal - 1, so its share is the window's overlap with them over equal;
-    in row order the entry itself has rank below + (equal of lower row), which picks the window's
-    values. O(n^2) comparisons a column and no data moved between threads."""
-    tile, cols, rows, col_ok, ok, pid = load_tile(x_ptr, n, d, stride_row, stride_col, 0.0, N_PAD, BLOCK)
-    code = tl.zeros((BLOCK, N_PAD), dtype=tl.int32)
-    row = x_ptr + cols * stride_col
-    j = 0
-    while j < n:  # (a while loop: Triton's interpreter cannot range over a runtime n)
-        v = tl.load(row, mask=col_ok, other=0.0)[:, None]
-        code += tl.where(v < tile, 1 << 20, 0)
-        code += tl.where(v == tile, tl.where(rows[None, :] > j, 1025, 1024), 0)
-        row += stride_row
-        j += 1
-    below = code >> 20
-    equal = (code >> 10) & 1023  # 0 only for NaN (the caller's screening discards such a pass)
-    rank = below + (code & 1023)
+    """Each entry's ranks counted (:func:`tally`): its share is the window's overlap with its value's
+    ranks over their number, and its own rank picks the window's values. O(n^2) comparisons a column and
+    no data moved between threads."""
+    tile, cols, rows, col_ok, ok, pid = load_tile(x_ptr, x_ptr, n, d, stride_row, stride_col, 0.0, False,
+                                                  N_PAD, BLOCK)  # fmt: skip
+    below, equal, rank = tally(x_ptr, x_ptr, tile, cols, col_ok, rows, n, stride_row, stride_col, False,
+                               N_PAD, BLOCK)  # fmt: skip
     held = tl.minimum(below + equal, hi) - tl.maximum(below, lo)
     share = tl.where(held > 0, held.to(tile.dtype) / tl.maximum(equal, 1).to(tile.dtype), 0.0)
     ranked = tl.where(ok & (rank >= lo) & (rank < hi), tile, 0.0)
     finish(tile, ranked, share, ok, col_ok, cols, rows, pid, out_ptr, parts_ptr, sq_ptr, hi - lo, N_PAD)
+
+
+@triton.jit
+def at_rank(values, rank, r):
+    """(BLOCK,) each column's entry of ``values`` at rank ``r`` (rank: the row index for a history tile):
+    a sum of one entry and zeros, so exact (a -0.0 reads as +0.0)."""
+    return tl.sum(tl.where(rank == r, values, 0.0), axis=1)
+
+
+@triton.jit(do_not_specialize=["n", "d", "beta", "mlo", "mhi"])
+def closest_kernel(x_ptr, sel_ptr, out_ptr, parts_ptr, n, d, stride_row, stride_col, beta, mlo, mhi,
+                   N_PAD: tl.constexpr, M_PAD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Bulyan's second phase on the n rows ``sel`` of x: per column the mean of the ``beta`` values closest
+    to their median (ranks mlo..mhi-1), each entry's share of that window (the tie rule above), with the
+    CPU path's float64 arithmetic in its order (:func:`~fedtrust.aggregators.bulyan.closest_to_median`):
+    the median, running sums over the ranks of |value - median| and of the values (M_PAD >= n + 1 of
+    them kept), the first window of beta ranks with the least distance, its mean from the running sums."""
+    tile, cols, rows, col_ok, ok, pid = load_tile(x_ptr, sel_ptr, n, d, stride_row, stride_col, 0.0, True,
+                                                  N_PAD, BLOCK)  # fmt: skip
+    below, equal, rank = tally(x_ptr, sel_ptr, tile, cols, col_ok, rows, n, stride_row, stride_col, True,
+                               N_PAD, BLOCK)  # fmt: skip
+    rank = tl.where(ok, rank, -1)  # padding holds no rank
+    wide = tile.to(tl.float64)
+    low = at_rank(wide, rank, mlo)
+    median = tl.where(mhi - mlo == 2, (low + at_rank(wide, rank, mhi - 1)) / 2.0, low)
+    steps = tl.arange(0, M_PAD)[None, :]
+    distances = tl.zeros((BLOCK, M_PAD), dtype=tl.float64)  # [r]: sum over ranks < r of |value - median|
+    totals = tl.zeros((BLOCK, M_PAD), dtype=tl.float64)  # [r]: sum over ranks < r of the values
+    distance = tl.zeros((BLOCK,), dtype=tl.float64)
+    total = tl.zeros((BLOCK,), dtype=tl.float64)
+    r = 0
+    while r < n:
+        value = at_rank(wide, rank, r)
+        distance += tl.abs(value - median)
+        total += value
+        distances = tl.where(steps == r + 1, distance[:, None], distances)
+        totals = tl.where(steps == r + 1, total[:, None], totals)
+        r += 1
+    best = tl.full((BLOCK,), float("inf"), dtype=tl.float64)
+    start = tl.zeros((BLOCK,), dtype=tl.int32)
+    s = 0
+    while s <= n - beta:  # the first window of least distance, as numpy's argmin
+        cost = at_rank(distances, steps, s + beta) - at_rank(distances, steps, s)
+        better = cost < best
+        best = tl.where(better, cost, best)
+        start = tl.where(better, s, start)
+        s += 1
+    lo = start[:, None]
+    mean = (at_rank(totals, steps, lo + beta) - at_rank(totals, steps, lo)) / beta
+    tl.store(out_ptr + cols, mean.to(out_ptr.dtype.element_ty), mask=col_ok)
+    held = tl.minimum(below + equal, lo + beta) - tl.maximum(below, lo)
+    share = tl.where(ok & (held > 0), held.to(tl.float64) / tl.maximum(equal, 1).to(tl.float64), 0.0)
+    tl.store(parts_ptr + pid.to(tl.int64) * N_PAD + rows, tl.sum(share, axis=0))

@@ -19,6 +19,10 @@ where the torch path (:func:`~fedtrust.aggregators.rank_windows.rank_window_by_s
 sorts it in global memory. A kernel that fails to build or launch (a GPU or toolchain Triton does not
 serve) is reported once as a warning and the torch path serves from then on.
 
+Bulyan's second phase (:func:`closest_to_median`) is a third kernel on the count kernel's tallies: per
+column the window of beta ranks closest to the median, chosen with the CPU path's float64 arithmetic
+in its order, so its values are the CPU's to the bit.
+
 Runs for float32/float64 CUDA tensors of at most :data:`MAX_CLIENTS` rows when Triton imports (torch's
 CUDA builds ship it); ``FEDTRUST_TRITON=0`` turns it off. Under ``TRITON_INTERPRET=1`` it runs on CPU
 tensors in Triton's interpreter, which is how the tests check the kernels on a machine without a GPU.
@@ -71,12 +75,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
 
 
-def suits(x: torch.Tensor) -> bool:
-    """Whether the kernel serves ``x``: a float32/float64 (n, d) CUDA tensor (a CPU one under the
-    interpreter), 1 <= n <= MAX_CLIENTS, d >= 1, Triton importable and not turned off."""
+def suits(x: torch.Tensor, rows: int | None = None) -> bool:
+    """Whether the kernels serve ``x``: a float32/float64 (n, d) CUDA tensor (a CPU one under the
+    interpreter), 1 <= ``rows`` (the rows a window ranks: n by default) <= MAX_CLIENTS, d >= 1, Triton
+    importable and not turned off."""
     return (
         x.dim() == 2
-        and 1 <= x.shape[0] <= MAX_CLIENTS
+        and 1 <= (x.shape[0] if rows is None else rows) <= MAX_CLIENTS
         and x.shape[1] > 0
         and x.dtype in (torch.float32, torch.float64)
         and (x.is_cuda or (interpreting() and x.device.type == "cpu"))
@@ -93,12 +98,32 @@ def _kernels() -> dict | None:
         from fedtrust.aggregators import triton_kernels
     except ImportError:
         return None
-    return {"sort": triton_kernels.sort_kernel, "count": triton_kernels.count_kernel}
+    return {"sort": triton_kernels.sort_kernel, "count": triton_kernels.count_kernel,
+            "closest": triton_kernels.closest_kernel}  # fmt: skip
 
 
 def method_for(n: int) -> str:
     """The kernel for n clients: ``"sort"`` up to :data:`SORT_CLIENTS`, ``"count"`` above."""
     return "sort" if n <= SORT_CLIENTS else "count"
+
+
+def _padded(n: int) -> int:
+    """The next power of two >= n (at least 2): a tile's rows."""
+    return 1 << max(1, (n - 1).bit_length())
+
+
+def _launch(method: str, x: torch.Tensor, programs: int, *args, **meta) -> bool:
+    """Run kernel ``method`` on ``programs`` programs on x's GPU (Triton launches on the current one);
+    False, with the failure recorded and said once, when it does not build or launch."""
+    try:
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _kernels()[method][(programs,)](*args, **meta)
+        return True
+    except Exception as exc:  # noqa: BLE001 - any build or launch failure: the torch path, said once
+        FAILURE.append(f"{type(exc).__name__}: {exc}"[:300])
+        warnings.warn(f"fedtrust's Triton rank-window kernel failed ({FAILURE[0]}); the median, trimmed mean "
+                      "and Bulyan take the torch path from now on", RuntimeWarning, stacklevel=3)  # fmt: skip
+        return False
 
 
 def rank_window(x: torch.Tensor, lo: int, hi: int, method: str | None = None) -> tuple[torch.Tensor, ...]:
@@ -111,21 +136,41 @@ def rank_window(x: torch.Tensor, lo: int, hi: int, method: str | None = None) ->
 
     n, d = x.shape
     method = method or method_for(n)
-    n_pad = 1 << max(1, (n - 1).bit_length())
+    n_pad = _padded(n)
     block = max(16, TILES[method] // n_pad)
     programs = -(-d // block)
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     parts = torch.empty(programs, n_pad, dtype=x.dtype, device=x.device)
     sq = torch.empty(programs, n_pad, dtype=x.dtype, device=x.device)
-    try:  # on x's GPU: Triton launches on the current device
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-            kernel = _kernels()[method]
-            kernel[(programs,)](x, out, parts, sq, n, d, x.stride(0), x.stride(1), int(lo), int(hi),
-                                N_PAD=n_pad, BLOCK=block, num_warps=WARPS[method])  # fmt: skip
-    except Exception as exc:  # noqa: BLE001 - any build or launch failure: the torch path, said once
-        FAILURE.append(f"{type(exc).__name__}: {exc}"[:300])
-        warnings.warn(f"fedtrust's Triton rank-window kernel failed ({FAILURE[0]}); the median and trimmed "
-                      "mean take the torch path from now on", RuntimeWarning, stacklevel=2)  # fmt: skip
+    if not _launch(method, x, programs, x, out, parts, sq, n, d, x.stride(0), x.stride(1), int(lo), int(hi),
+                   N_PAD=n_pad, BLOCK=block, num_warps=WARPS[method]):  # fmt: skip
         return (*rank_window_by_sort(x, lo, hi), row_norms(x))
     slots = parts.sum(0, dtype=torch.float64)[:n]
     return out, (slots / slots.sum()).to(x.dtype), sq.sum(0, dtype=torch.float64)[:n].sqrt()
+
+
+def closest_to_median(
+    x: torch.Tensor, selected: torch.Tensor, beta: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bulyan's second phase (:func:`~fedtrust.aggregators.bulyan.closest_to_median`, the CPU's float64
+    arithmetic in its order) in one kernel over the ``selected`` rows of ``x`` (n, d), for ``x`` that
+    :func:`suits` with at most :data:`MAX_CLIENTS` selected: the (d,) means of the ``beta`` values closest
+    to each column's median and the (n,) clients' shares of those slots. No sync."""
+    from fedtrust.aggregators.bulyan import closest_to_median_by_sort
+    from fedtrust.aggregators.median import median_window
+
+    n, d = x.shape
+    theta = len(selected)
+    n_pad = _padded(theta)
+    block = max(16, TILES["count"] // n_pad)
+    programs = -(-d // block)
+    out = torch.empty(d, dtype=x.dtype, device=x.device)
+    parts = torch.empty(programs, n_pad, dtype=torch.float64, device=x.device)
+    index = selected.to(device=x.device, dtype=torch.int64)
+    mlo, mhi = median_window(theta)
+    if not _launch("closest", x, programs, x, index, out, parts, theta, d, x.stride(0), x.stride(1),
+                   int(beta), mlo, mhi, N_PAD=n_pad, M_PAD=_padded(theta + 1), BLOCK=block,
+                   num_warps=WARPS["count"]):  # fmt: skip
+        return closest_to_median_by_sort(x, selected, beta)
+    slots = torch.zeros(n, dtype=torch.float64, device=x.device).index_add_(0, index, parts.sum(0)[:theta])
+    return out, (slots / slots.sum()).to(x.dtype)
