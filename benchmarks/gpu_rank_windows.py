@@ -78,7 +78,10 @@ def main() -> None:
             rows.append(measure(n, int(d), torch.float32, variants))
     for n in (min(args.n), max(args.n)):
         rows.append(measure(n, int(max(args.d)), torch.float64, [VARIANTS[0], VARIANTS[2], VARIANTS[3]]))
-    payload = {"gpu": torch.cuda.get_device_name(), "versions": f"torch {torch.__version__}", "rows": rows}
+    import triton
+
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    payload = {"gpu": torch.cuda.get_device_name(), "versions": versions, "rows": rows}
     args.out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {args.out}")
 

@@ -62,14 +62,14 @@ def test_short_simulation_on_cuda_matches_the_cpu():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("method", ["sort", "count"])
-@pytest.mark.parametrize("n", [1, 2, 11, 16, 17, 100])
+@pytest.mark.parametrize("n", [1, 2, 11, 16, 17, 100, 101])
 def test_each_rank_window_kernel_matches_the_torch_path(n, method, dtype):
     """Each Triton kernel gives rank_window_by_sort's values and tie shares and row_norms' norms, for
     continuous values, a few distinct ones and a block of copies, contiguous or not; rank_window takes
     a kernel up to triton_windows.MAX_CLIENTS clients."""
     from fedtrust.aggregators import triton_windows
     from fedtrust.aggregators.passes import row_norms
-    from fedtrust.aggregators.rank_windows import rank_window_by_sort
+    from fedtrust.aggregators.rank_windows import rank_window, rank_window_by_sort
 
     assert triton_windows.suits(torch.zeros(n, 3, dtype=dtype, device="cuda")) == (
         n <= triton_windows.MAX_CLIENTS
@@ -89,6 +89,9 @@ def test_each_rank_window_kernel_matches_the_torch_path(n, method, dtype):
                 torch.testing.assert_close(values.cpu(), want_values, rtol=8 * n * eps, atol=8 * n * eps)
                 torch.testing.assert_close(weights.cpu(), want_weights, rtol=16 * eps, atol=16 * eps)
                 torch.testing.assert_close(norms.cpu(), row_norms(x), rtol=16 * eps, atol=0.0)
+                routed = rank_window(on_gpu, lo, hi)  # the kernel of n's method_for, or the torch path
+                torch.testing.assert_close(routed[0].cpu(), want_values, rtol=8 * n * eps, atol=8 * n * eps)
+                torch.testing.assert_close(routed[1].cpu(), want_weights, rtol=16 * eps, atol=16 * eps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])

@@ -136,11 +136,16 @@ def test_the_bulyan_kernel_on_copies_and_a_transposed_input():
 
 
 def test_the_count_kernel_packs_its_tallies_up_to_1023_clients():
-    """below << 20 | equal << 10 | equal of lower row: the largest n the packing holds, all entries tied
-    (every tally at its limit) and continuous."""
+    """below << 20 | equal << 10 | equal of lower row at the largest n the packing holds: every entry
+    tied (each tally at its limit), three distinct values (ties across both edges of every window, each
+    value's count in the hundreds) and continuous values."""
     n = 1023
+    g = torch.Generator().manual_seed(0)
     check(torch.zeros(n, 2), n // 2, n // 2 + 1, "count")
-    check(torch.randn(n, 2, generator=torch.Generator().manual_seed(0)), 100, n - 100, "count")
+    few = torch.randint(0, 3, (n, 3), generator=g).float()
+    for lo, hi in [(n // 2, n // 2 + 1), (100, n - 100), (0, 341), (682, n)]:
+        check(few, lo, hi, "count")
+    check(torch.randn(n, 2, generator=g), 100, n - 100, "count")
 
 
 def test_rank_window_routes_to_the_kernel_and_off_it(monkeypatch):

@@ -47,21 +47,23 @@ class FedAvg(Mean):
 
 def sample_weights(round: Round, rule: str) -> torch.Tensor:
     """n_k / sum_i n_i (:func:`normalised`), with a clear error when every reported count is zero."""
-    total = float(round.num_samples.sum())  # one read of the total (a sync on a GPU), reused below
-    if not total > 0:
+    total = round.num_samples.sum()
+    read = float(total)  # one read of the total (a sync on a GPU), reused below
+    if not read > 0:
         raise RoundRefused(
-            f"{rule}: the reported num_samples sum to {total}; sample weights need a positive total"
+            f"{rule}: the reported num_samples sum to {read}; sample weights need a positive total"
         )
-    return normalised(round.num_samples, total)
+    return normalised(round.num_samples, total, read)
 
 
-def normalised(w: torch.Tensor, total: float | None = None) -> torch.Tensor:
-    """``w / w.sum()`` for non-negative ``w`` with a positive sum (``total``, when already read). When the
-    sum overflows the dtype, or is too small to divide by accurately (subnormal), ``w`` is first scaled by
-    its largest entry."""
+def normalised(w: torch.Tensor, total: torch.Tensor | None = None, read: float | None = None) -> torch.Tensor:
+    """``w / w.sum()`` for non-negative ``w`` with a positive sum (``total``, and ``read`` its value when
+    already read). When the sum overflows the dtype, or is too small to divide by accurately (subnormal),
+    ``w`` is first scaled by its largest entry. The division is by the sum as a tensor: CUDA divides by a
+    host scalar through its reciprocal, a bit off."""
     if total is None:
         total = w.sum()
-    if not torch.finfo(w.dtype).tiny <= total < torch.inf:
+    if not torch.finfo(w.dtype).tiny <= (total if read is None else read) < torch.inf:
         w = w / w.max()
         total = w.sum()
     return w / total
