@@ -46,10 +46,10 @@ def measure(n: int, d: int, dtype: torch.dtype, variants: list[tuple]) -> dict:
     try:
         for label, method, tile, warps in variants:
             triton_windows.TILES[method], triton_windows.WARPS[method] = tile, warps
-            triton_windows.FAILURE.clear()
+            triton_windows.FAILURES.clear()
             got = triton_windows.rank_window(x, lo, hi, method)
-            if triton_windows.FAILURE:
-                row[label] = f"failed: {triton_windows.FAILURE[0]}"
+            if method in triton_windows.FAILURES:
+                row[label] = f"failed: {triton_windows.FAILURES[method]}"
                 continue
             for a, b in zip(got, want, strict=True):
                 torch.testing.assert_close(a, b.to(a.dtype), rtol=1e-5, atol=1e-6)

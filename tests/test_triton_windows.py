@@ -42,9 +42,9 @@ def interpreter():
 
 def check(x: torch.Tensor, lo: int, hi: int, method: str) -> None:
     """The kernel's window, slot shares and row norms against the torch path's and row_norms'."""
-    triton_windows.FAILURE.clear()  # each check on its own: a failure is this call's
+    triton_windows.FAILURES.clear()  # each check on its own: a failure is this call's
     values, weights, norms = triton_windows.rank_window(x, lo, hi, method)
-    assert not triton_windows.FAILURE, triton_windows.FAILURE  # the kernel ran, not the torch fallback
+    assert not triton_windows.FAILURES, triton_windows.FAILURES  # the kernel ran, not the torch fallback
     want_values, want_weights = rank_window_by_sort(x, lo, hi)
     eps = torch.finfo(x.dtype).eps
     torch.testing.assert_close(values, want_values, rtol=8 * x.shape[0] * eps, atol=8 * x.shape[0] * eps)
@@ -91,9 +91,9 @@ def test_each_kernel_serves_up_to_the_limit_and_copies(n, method):
 def check_bulyan(x: torch.Tensor, selected: torch.Tensor, beta: int) -> None:
     """Bulyan's second phase by the kernel against the CPU path's numpy: the same values to the bit (the
     same float64 arithmetic in the same order) and the same slot shares to the dtype's rounding."""
-    triton_windows.FAILURE.clear()
+    triton_windows.FAILURES.clear()
     values, weights = triton_windows.closest_to_median(x, selected, beta)
-    assert not triton_windows.FAILURE, triton_windows.FAILURE
+    assert not triton_windows.FAILURES, triton_windows.FAILURES
     want_values, slots = closest_to_median(x.numpy(), selected.sort().values.numpy(), beta)
     assert torch.equal(values, torch.from_numpy(want_values))
     eps = torch.finfo(x.dtype).eps
@@ -165,28 +165,30 @@ def test_rank_window_routes_to_the_kernel_and_off_it(monkeypatch):
 
 
 def test_a_kernel_that_fails_hands_over_to_the_torch_path_once(monkeypatch):
-    """A GPU or toolchain Triton cannot build for: a warning naming the failure, the torch path's result,
-    and no further attempt."""
+    """A GPU or toolchain Triton cannot build for: a warning naming the kernel and the failure, the torch
+    path's result, and no further attempt at that kernel; the other kernels keep serving."""
 
     def broken():
         def launch(*args, **kwargs):
             raise RuntimeError("no kernel image is available for execution on the device")
 
-        return {"sort": {(1,): launch, (2,): launch}, "closest": {(1,): launch}}
+        return {"sort": {(1,): launch}, "count": {(1,): launch}, "closest": {(1,): launch}}
 
     monkeypatch.setattr(triton_windows, "_kernels", broken)
-    monkeypatch.setattr(triton_windows, "FAILURE", [])
+    monkeypatch.setattr(triton_windows, "FAILURES", {})
     x = torch.randn(5, 40)
-    with pytest.warns(RuntimeWarning, match="no kernel image"):
+    with pytest.warns(RuntimeWarning, match="sort kernel failed .*no kernel image"):
         values, weights, norms = triton_windows.rank_window(x, 2, 3)
     want = rank_window_by_sort(x, 2, 3)
     torch.testing.assert_close(values, want[0])
     torch.testing.assert_close(weights, want[1])
     torch.testing.assert_close(norms, row_norms(x))
     assert not triton_windows.suits(x)
-    monkeypatch.setattr(triton_windows, "FAILURE", [])  # Bulyan's kernel hands over the same way
-    with pytest.warns(RuntimeWarning, match="no kernel image"):
+    assert triton_windows.suits(x, method="closest")  # Bulyan's kernel is not the one that failed
+    with pytest.warns(RuntimeWarning, match="closest kernel failed .* Bulyan's second phase"):
         values, weights = triton_windows.closest_to_median(x, torch.tensor([0, 2, 4]), 1)
     want = closest_to_median_by_sort(x, torch.tensor([0, 2, 4]), 1)
     torch.testing.assert_close(values, want[0])
     torch.testing.assert_close(weights, want[1])
+    assert set(triton_windows.FAILURES) == {"sort", "closest"}
+    assert triton_windows.suits(torch.randn(20, 40))  # 20 clients: the count kernel, still serving

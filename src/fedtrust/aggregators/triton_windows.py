@@ -66,8 +66,15 @@ TILES = {"sort": 8192, "count": 2048}
 WARPS = {"sort": 4, "count": 4}
 
 
-#: Why the kernel failed on this process's GPU, once it has: the torch path serves instead.
-FAILURE: list[str] = []
+#: Why a kernel failed on this process's GPU, by method, once it has: the torch path serves instead of
+#: that kernel, and the others keep serving (so Bulyan's kernel failing does not cost the median its own).
+FAILURES: dict[str, str] = {}
+#: What each kernel serves, for the warning when it fails.
+SERVES = {
+    "sort": "the median and trimmed mean of up to 16 clients",
+    "count": "the median and trimmed mean of 17 or more clients",
+    "closest": "Bulyan's second phase",
+}
 
 
 def interpreting() -> bool:
@@ -76,18 +83,19 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on")
 
 
-def suits(x: torch.Tensor, rows: int | None = None) -> bool:
-    """Whether the kernels serve ``x``: a float32/float64 (n, d) CUDA tensor (a CPU one under the
-    interpreter), 1 <= ``rows`` (the rows a window ranks: n by default) <= MAX_CLIENTS, d >= 1, Triton
-    importable and not turned off."""
+def suits(x: torch.Tensor, rows: int | None = None, method: str | None = None) -> bool:
+    """Whether kernel ``method`` (:func:`method_for` the rows by default) serves ``x``: a float32/float64
+    (n, d) CUDA tensor (a CPU one under the interpreter), 1 <= ``rows`` (the rows a window ranks: n by
+    default) <= MAX_CLIENTS, d >= 1, Triton importable, not turned off, and that kernel not failed."""
+    rows = x.shape[0] if rows is None else rows
     return (
         x.dim() == 2
-        and 1 <= (x.shape[0] if rows is None else rows) <= MAX_CLIENTS
+        and 1 <= rows <= MAX_CLIENTS
         and x.shape[1] > 0
         and x.dtype in (torch.float32, torch.float64)
         and (x.is_cuda or (interpreting() and x.device.type == "cpu"))
         and os.environ.get("FEDTRUST_TRITON", "1") != "0"
-        and not FAILURE
+        and (method or method_for(rows)) not in FAILURES
         and _kernels() is not None
     )
 
@@ -115,15 +123,15 @@ def _padded(n: int) -> int:
 
 def _launch(method: str, x: torch.Tensor, programs: int, *args, **meta) -> bool:
     """Run kernel ``method`` on ``programs`` programs on x's GPU (Triton launches on the current one);
-    False, with the failure recorded and said once, when it does not build or launch."""
+    False, with the failure recorded (:data:`FAILURES`) and said once, when it does not build or launch."""
     try:
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
             _kernels()[method][(programs,)](*args, **meta)
         return True
     except Exception as exc:  # noqa: BLE001 - any build or launch failure: the torch path, said once
-        FAILURE.append(f"{type(exc).__name__}: {exc}"[:300])
-        warnings.warn(f"fedtrust's Triton rank-window kernel failed ({FAILURE[0]}); the median, trimmed mean "
-                      "and Bulyan take the torch path from now on", RuntimeWarning, stacklevel=3)  # fmt: skip
+        FAILURES[method] = f"{type(exc).__name__}: {exc}"[:300]
+        warnings.warn(f"fedtrust's Triton {method} kernel failed ({FAILURES[method]}); {SERVES[method]} take "
+                      "the torch path from now on", RuntimeWarning, stacklevel=3)  # fmt: skip
         return False
 
 
