@@ -74,9 +74,7 @@ class Bulyan(BaseRule):
             vector, weights, _ = map_column_blocks(
                 round.updates, lambda b: closest_to_median(b, selected.numpy(), beta)
             )
-        elif triton_windows.suits(
-            round.updates, rows=theta, method="closest"
-        ):  # CUDA: one kernel, the CPU's arithmetic
+        elif triton_windows.suits(round.updates, rows=theta, method="closest"):  # CUDA: one kernel
             vector, weights = triton_windows.closest_to_median(round.updates, selected, beta)
         else:
             vector, weights = closest_to_median_by_sort(round.updates, selected, beta)

@@ -95,16 +95,20 @@ def pairwise_sq_distances(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     median distance to the others).
     """
     n = x.shape[0]
-    g = gram(x).cpu()
+
+    def host_gram(center: str | torch.Tensor | None = None) -> torch.Tensor:
+        return gram(x, center).cpu()
+
+    g = host_gram()
     norms = g.diagonal().sqrt()
     if n < 3:  # too few points for the conditioning test: centred at once
-        return sq_distances_from_gram(gram(x, "mean").cpu()), norms
+        return sq_distances_from_gram(host_gram("mean")), norms
     dist = sq_distances_from_gram(g)
     if not _ill_conditioned(g, dist, _RAW_LIMIT):
         return dist, norms
-    g = gram(x, "mean").cpu()
+    g = host_gram("mean")
     dist = sq_distances_from_gram(g)
     if _ill_conditioned(g, dist, _CONDITION_LIMIT):
         anchor = int(dist.median(dim=1).values.argmin())
-        dist = sq_distances_from_gram(gram(x, x[anchor]).cpu())
+        dist = sq_distances_from_gram(host_gram(x[anchor]))
     return dist, norms

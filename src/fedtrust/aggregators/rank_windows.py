@@ -181,7 +181,7 @@ def rank_window(x: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.
     n, d = x.shape
     if not 0 <= lo < hi <= n:
         raise ValueError(f"rank_window: need 0 <= lo < hi <= n, got lo={lo}, hi={hi}, n={n}")
-    if triton_windows.suits(x):  # CUDA: one kernel sorts in registers
+    if triton_windows.suits(x):  # CUDA: one Triton kernel (a sort or a count of ranks)
         return triton_windows.rank_window(x, lo, hi)
     if x.device.type != "cpu":
         return (*rank_window_by_sort(x, lo, hi), row_norms(x))

@@ -121,6 +121,14 @@ def _padded(n: int) -> int:
     return 1 << max(1, (n - 1).bit_length())
 
 
+def _grid(method: str, rows: int, d: int) -> tuple[int, int, int]:
+    """(N_PAD, BLOCK, programs) of kernel ``method`` over ``rows`` rows and d columns: TILES[method]
+    values a program, at least 16 columns."""
+    n_pad = _padded(rows)
+    block = max(16, TILES[method] // n_pad)
+    return n_pad, block, -(-d // block)
+
+
 def _launch(method: str, x: torch.Tensor, programs: int, *args, **meta) -> bool:
     """Run kernel ``method`` on ``programs`` programs on x's GPU (Triton launches on the current one);
     False, with the failure recorded (:data:`FAILURES`) and said once, when it does not build or launch."""
@@ -145,9 +153,7 @@ def rank_window(x: torch.Tensor, lo: int, hi: int, method: str | None = None) ->
 
     n, d = x.shape
     method = method or method_for(n)
-    n_pad = _padded(n)
-    block = max(16, TILES[method] // n_pad)
-    programs = -(-d // block)
+    n_pad, block, programs = _grid(method, n, d)
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     parts = torch.empty(programs, n_pad, dtype=x.dtype, device=x.device)
     sq = torch.empty(programs, n_pad, dtype=x.dtype, device=x.device)
@@ -170,9 +176,7 @@ def closest_to_median(
 
     n, d = x.shape
     theta = len(selected)
-    n_pad = _padded(theta)
-    block = max(16, TILES["count"] // n_pad)
-    programs = -(-d // block)
+    n_pad, block, programs = _grid("count", theta, d)
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     parts = torch.empty(programs, n_pad, dtype=torch.float64, device=x.device)
     index = selected.to(device=x.device, dtype=torch.int64)

@@ -97,9 +97,8 @@ class MinMax(_Agnostic):
     def gamma(self, ctx, mean, p, a):
         rows, dist, to_mean = spread(ctx, self.knowledge)
         c = to_mean - dist.max()
-        b = float(p @ mean) - (ctx.updates.index_select(0, rows) @ p).to(
-            "cpu", torch.float64
-        )  # <p, mu - x_i>
+        # <p, mu - x_i>, on the host with the distances
+        b = float(p @ mean) - (ctx.updates.index_select(0, rows) @ p).to("cpu", torch.float64)
         roots = (-b + (b.square() - a * c).clamp_min(0).sqrt()) / a
         return max(0.0, float(roots.min()))
 
@@ -167,9 +166,8 @@ class FangKrum(Knowing):
         else:
             lam = 0.0
         lam += float(norms.max()) / root_d
-        proj = (known @ s).to(
-            "cpu", torch.float64
-        )  # ||-lam s - x_j||^2 = lam^2 ||s||^2 + 2 lam <s, x_j> + ||x_j||^2
+        # ||-lam s - x_j||^2 = lam^2 ||s||^2 + 2 lam <s, x_j> + ||x_j||^2, on the host with the distances
+        proj = (known @ s).to("cpu", torch.float64)
         s2 = float(s.square().sum())
         neighbours = m - c - 2
         while lam > self.threshold:

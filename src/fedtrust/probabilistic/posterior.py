@@ -38,30 +38,28 @@ def fit_posterior(
     """N(mu, sigma^2) per weight from (n, d) client models: the sample mean and (population) variance
     (Algorithm 1, line 9), or with trust weights w (summing to 1) mu = sum_k w_k x_k and
     sigma^2 = sum_k w_k (x_k - mu)^2. ``mean`` overrides mu (e.g. a robust rule's aggregate)."""
-    w = _member_weights(weights, models)
-    rows, w_rows = _counted(models, w)
+    w, rows, w_rows = _members(models, weights)
     mu = w_rows @ rows if mean is None else mean.to(models.dtype)
     var = w_rows @ (rows - mu).square()
     return GaussianPosterior(mu, var, models, w)
 
 
-def _member_weights(weights: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
-    """(n,) weights of the n ``rows`` summing to 1, in their dtype: uniform without ``weights``."""
+def _members(
+    rows: torch.Tensor, weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (n,) weights of the n ``rows`` (n, ...) summing to 1 in their dtype (uniform without
+    ``weights``), and the rows and weights that count: without the members of zero weight, which do not
+    count at all, also when not finite (a quarantined client's model; 0 x NaN is NaN in a weighted sum).
+    When every weight is positive (uniform, or one read of a flag), the inputs themselves: no copy."""
     n = rows.shape[0]
     if weights is None:
-        return torch.full((n,), 1.0 / n, dtype=rows.dtype, device=rows.device)
-    return (weights / weights.sum()).to(rows.dtype)
-
-
-def _counted(rows: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` (n, ...) and their weights ``w`` without the members of zero weight: a member without
-    trust does not count at all, also when it is not finite (a quarantined client's model; 0 x NaN is NaN
-    in a weighted sum). When every weight is positive (one read of a flag), the inputs themselves: no
-    copy of the models."""
+        w = torch.full((n,), 1.0 / n, dtype=rows.dtype, device=rows.device)
+        return w, rows, w
+    w = (weights / weights.sum()).to(rows.dtype)
     kept = w > 0
     if bool(kept.all()):
-        return rows, w
-    return rows[kept], w[kept]
+        return w, rows, w
+    return w, rows[kept], w[kept]
 
 
 def _predictions(model: FlatModel, weight_sets: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +75,7 @@ def ensemble_predictive(
     predictions and their (weighted) second moment minus the squared mean, plus ``noise_var``. Members of
     zero weight do not count, whatever their predictions."""
     preds = _predictions(model, weight_sets, x)
-    preds, w = _counted(preds, _member_weights(weights, preds))  # a member of zero weight has no say
+    _, preds, w = _members(preds, weights)  # a member of zero weight has no say
     mu = w @ preds
     var = (w @ preds.square() - mu.square()).clamp_min(0) + noise_var
     return mu, var.sqrt()
