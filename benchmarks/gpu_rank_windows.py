@@ -1,7 +1,8 @@
-"""Rank windows on a CUDA GPU: each Triton kernel (sort, count) against the torch path, by n.
+"""Rank windows on a CUDA GPU: each Triton kernel (sort, count, select) against the torch path, by n.
 
-For n clients x d float32 ``randn`` coordinates (and two float64 shapes), the median window through
-``triton_windows.rank_window`` with each kernel and tile setting, against
+For n clients x d float32 ``randn`` coordinates (and two float64 shapes), the median window (and at the
+largest n a trimmed one, lo = n // 10 .. n - n // 10, where the select kernel finds two edges at once)
+through ``triton_windows.rank_window`` with each kernel and tile setting, against
 ``rank_windows.rank_window_by_sort`` plus ``passes.row_norms`` (what the torch path costs for the same
 outputs), and one ``x.mean(0)`` (a read of the matrix). Every kernel's values, weights and norms are
 checked against the torch path's before it is timed. Writes ``results/gpu_rank_windows.json``; the
@@ -30,17 +31,22 @@ def timed(call) -> float:
     return timed_seconds(call, 5) * 1e3
 
 
-#: (label, kernel, values per tile, warps) timed at every n; COUNT_TILES also at the largest n
-VARIANTS = [("sort", "sort", 8192, 4), ("count4k", "count", 4096, 4), ("count2k", "count", 2048, 4),
-            ("count4k8w", "count", 4096, 8)]  # fmt: skip
-COUNT_TILES = [("count8k8w", "count", 8192, 8), ("count2k8w", "count", 2048, 8)]
+#: (label, kernel, values per tile, warps) timed at every n; MORE_TILES also at the largest n
+VARIANTS = [("sort", "sort", 8192, 4), ("count2k", "count", 2048, 4), ("count4k", "count", 4096, 4),
+            ("select2k", "select", 2048, 4), ("select4k", "select", 4096, 4)]  # fmt: skip
+MORE_TILES = [("count2k8w", "count", 2048, 8), ("select2k2w", "select", 2048, 2),
+              ("select4k8w", "select", 4096, 8)]  # fmt: skip
 
 
-def measure(n: int, d: int, dtype: torch.dtype, variants: list[tuple]) -> dict:
+def measure(n: int, d: int, dtype: torch.dtype, variants: list[tuple], window: str = "median") -> dict:
     x = torch.randn(n, d, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(n))
-    lo, hi = (n // 2, n // 2 + 1) if n % 2 else (n // 2 - 1, n // 2 + 1)
+    if window == "median":
+        lo, hi = (n // 2, n // 2 + 1) if n % 2 else (n // 2 - 1, n // 2 + 1)
+    else:
+        lo, hi = n // 10, n - n // 10
     want = (*rank_window_by_sort(x, lo, hi), row_norms(x))
-    row = {"n": n, "d": d, "dtype": str(dtype).removeprefix("torch."), "floor": timed(lambda: x.mean(0)),
+    row = {"n": n, "d": d, "dtype": str(dtype).removeprefix("torch."), "window": window,
+           "floor": timed(lambda: x.mean(0)),
            "torch": timed(lambda: (rank_window_by_sort(x, lo, hi), row_norms(x)))}  # fmt: skip
     saved = dict(triton_windows.TILES), dict(triton_windows.WARPS)
     try:
@@ -74,10 +80,16 @@ def main() -> None:
     rows = []
     for d in args.d:
         for n in args.n:
-            variants = VARIANTS + (COUNT_TILES if n == max(args.n) else [])
+            variants = VARIANTS + (MORE_TILES if n == max(args.n) else [])
             rows.append(measure(n, int(d), torch.float32, variants))
-    for n in (min(args.n), max(args.n)):
-        rows.append(measure(n, int(max(args.d)), torch.float64, [VARIANTS[0], VARIANTS[2], VARIANTS[3]]))
+    top = max(args.n)
+    rows.append(measure(top, int(max(args.d)), torch.float32, VARIANTS[1:], window="trimmed"))
+    for n in (min(args.n), top):
+        rows.append(
+            measure(
+                n, int(max(args.d)), torch.float64, [v for v in VARIANTS if v[2] == 2048 or v[0] == "sort"]
+            )
+        )
     import triton
 
     versions = f"torch {torch.__version__}, triton {triton.__version__}"

@@ -61,7 +61,7 @@ def test_short_simulation_on_cuda_matches_the_cpu():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("method", ["sort", "count"])
+@pytest.mark.parametrize("method", ["sort", "count", "select"])
 @pytest.mark.parametrize("n", [1, 2, 11, 16, 17, 100, 101])
 def test_each_rank_window_kernel_matches_the_torch_path(n, method, dtype):
     """Each Triton kernel gives rank_window_by_sort's values and tie shares and row_norms' norms, for

@@ -4,7 +4,9 @@ ship it; CI's CPU build does not, and skips). ``test_cuda.py`` runs it on the ha
 
 import importlib.util
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,7 +56,7 @@ def check(x: torch.Tensor, lo: int, hi: int, method: str) -> None:
 
 @settings(max_examples=25, deadline=None)  # the interpreter takes ~0.4 ms a padded value
 @given(
-    method=st.sampled_from(["sort", "count"]),
+    method=st.sampled_from(["sort", "count", "select"]),
     n=st.integers(1, 40),
     d=st.integers(1, 60),
     ties=st.sampled_from([0, 2, 5]),
@@ -74,11 +76,15 @@ def test_each_kernel_gives_the_torch_paths_window(method, n, d, ties, data, dtyp
     check(x.to(dtype), lo, hi, method)
 
 
-@pytest.mark.parametrize("method", ["sort", "count"])
-@pytest.mark.parametrize("n", [10, triton_windows.SORT_CLIENTS, 40])
+@pytest.mark.parametrize(
+    "method, n",
+    [(m, n) for m in ["sort", "count", "select"] for n in [10, triton_windows.SORT_CLIENTS, 40]]
+    + [("count", triton_windows.MAX_CLIENTS), ("select", triton_windows.MAX_CLIENTS)],
+)
 def test_each_kernel_serves_up_to_the_limit_and_copies(n, method):
     """The median and trimmed windows, a group of copies among the clients (one window edge inside it),
-    infinite entries, and a transposed (non-contiguous) input."""
+    infinite entries, and a transposed (non-contiguous) input (the sort kernel, a minute in the
+    interpreter at 100 clients, up to 40)."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, 200, generator=g)
     x[-n // 5 :] = x[-1]  # sybils: one vector sent by a fifth of the clients
@@ -86,6 +92,37 @@ def test_each_kernel_serves_up_to_the_limit_and_copies(n, method):
     for lo, hi in [(n // 2 - 1, n // 2 + 1), (n // 10, n - n // 10), (0, n - n // 5 + 1)]:
         check(x, lo, hi, method)
     check(x.T.contiguous().T, n // 2 - 1, n // 2 + 1, method)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_select_kernel_orders_values_as_comparisons_do(dtype):
+    """The select kernel ranks the floats' bits, reordered: -0.0 and +0.0 one value (tied, shares split),
+    an infinity, the largest exponents, subnormals, neighbours one unit in the last place apart, any sign,
+    in columns of 2 to 100 values, windows of one or two ranks and wide ones (both edges found at once).
+    The means agree to the sum's rounding, n eps times the column's largest finite magnitude (values
+    whose window sums overflow, or hold both infinities, have no mean to agree on)."""
+    info = torch.finfo(dtype)
+    one = torch.tensor(1.0, dtype=dtype)
+    big = info.max / 128  # a hundred of them sum below the largest float
+    special = torch.tensor(
+        [0.0, -0.0, torch.inf, big, -big, info.tiny, -info.tiny, info.smallest_normal / 4,
+         -info.smallest_normal / 4, 1.0, -1.0, torch.nextafter(one, 2 * one).item(),
+         -torch.nextafter(one, 2 * one).item(), 0.0, -0.0, -big / 2],
+        dtype=dtype,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    for n in (2, 5, 16, 33, 100):
+        x = special[torch.randint(0, len(special), (n, 64), generator=g)]
+        for lo, hi in {(0, 1), (n - 1, n), (n // 2, n // 2 + 1), (max(0, n // 2 - 1), n // 2 + 1), (0, n),
+                       (n // 10, n - n // 10), (1, n)} - {(1, 1)}:  # fmt: skip
+            triton_windows.FAILURES.clear()
+            values, weights, _ = triton_windows.rank_window(x, lo, hi, "select")
+            assert not triton_windows.FAILURES, triton_windows.FAILURES
+            want_values, want_weights = rank_window_by_sort(x, lo, hi)
+            torch.testing.assert_close(weights, want_weights, rtol=16 * info.eps, atol=16 * info.eps)
+            scale = x.nan_to_num(posinf=0.0).abs().amax(0)
+            assert ((values - want_values).abs().nan_to_num() <= 8 * n * info.eps * scale).all()
+            assert torch.equal(values.isinf(), want_values.isinf())
 
 
 def check_bulyan(x: torch.Tensor, selected: torch.Tensor, beta: int) -> None:
@@ -161,7 +198,10 @@ def test_rank_window_routes_to_the_kernel_and_off_it(monkeypatch):
     monkeypatch.setenv("FEDTRUST_TRITON", "0")
     rank_window(x, 3, 4)
     assert len(calls) == 1  # more clients than the kernel serves, float16, turned off: the other paths
-    assert [triton_windows.method_for(n) for n in (1, 16, 17, 1023)] == ["sort", "sort", "count", "count"]
+    assert [triton_windows.method_for(n) for n in (1, 16, 17, 48, 49, 100)] == [
+        "sort", "sort", "count", "count", "select", "select"
+    ]  # fmt: skip
+    assert triton_windows.method_for(100, torch.float64) == "count"
 
 
 def test_a_kernel_that_fails_hands_over_to_the_torch_path_once(monkeypatch):
@@ -172,7 +212,7 @@ def test_a_kernel_that_fails_hands_over_to_the_torch_path_once(monkeypatch):
         def launch(*args, **kwargs):
             raise RuntimeError("no kernel image is available for execution on the device")
 
-        return {"sort": {(1,): launch}, "count": {(1,): launch}, "closest": {(1,): launch}}
+        return {name: {(1,): launch} for name in ("sort", "count", "select", "closest")}
 
     monkeypatch.setattr(triton_windows, "_kernels", broken)
     monkeypatch.setattr(triton_windows, "FAILURES", {})
@@ -192,3 +232,14 @@ def test_a_kernel_that_fails_hands_over_to_the_torch_path_once(monkeypatch):
     torch.testing.assert_close(weights, want[1])
     assert set(triton_windows.FAILURES) == {"sort", "closest"}
     assert triton_windows.suits(torch.randn(20, 40))  # 20 clients: the count kernel, still serving
+
+
+def test_every_kernel_builds_for_a_hopper_gpu_without_spilling():
+    """Triton compiles each kernel to sm_90 machine code (H100/H200) on this CPU, float32 and float64,
+    at the tiles of 2 to 100 clients, with nothing spilled to local memory (``benchmarks/kernel_model.py
+    --check``, in a process of its own: the interpreter builds no machine code)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).parents[1] / "benchmarks" / "kernel_model.py"
+    done = subprocess.run([sys.executable, script, "--check"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("local_bytes': 0") == 24  # 4 kernels x 2 dtypes x 3 sizes

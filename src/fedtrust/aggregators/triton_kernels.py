@@ -1,10 +1,10 @@
 """The Triton kernels of :mod:`~fedtrust.aggregators.triton_windows` (imported only where Triton is).
 
-Per column of an (n, d) matrix x, ``sort_kernel`` and ``count_kernel`` find the mean of the values of
-ranks lo..hi-1 and each entry's share of the window's slots, with the tie rule of
-:func:`~fedtrust.aggregators.rank_windows.window_shares`: a value held by c entries of the column, k of
-whose ranks the window keeps, gives each of those entries k / c (1 for a value inside the window held
-once, 0 outside). Per program (a tile of BLOCK columns) they store each client's sum of shares and sum
+Per column of an (n, d) matrix x, ``sort_kernel``, ``count_kernel`` and ``select_kernel`` find the
+mean of the values of ranks lo..hi-1 and each entry's share of the window's slots, with the tie rule
+of :func:`~fedtrust.aggregators.rank_windows.window_shares`: a value held by c entries of the column, k
+of whose ranks the window keeps, gives each of those entries k / c (1 for a value inside the window
+held once, 0 outside). Per program (a tile of BLOCK columns) they store each client's sum of shares and sum
 of squares, summed over the programs by the caller. ``closest_kernel`` is Bulyan's second phase: per
 column a window of ranks of its own, chosen as the CPU path chooses it. Rows are padded to N_PAD, a
 power of two.
@@ -18,11 +18,11 @@ except ImportError as exc:  # an optional dependency: triton_windows falls back 
 
 
 @triton.jit
-def finish(tile, ranked, share, ok, col_ok, cols, rows, pid, out_ptr, parts_ptr, sq_ptr, count,
+def finish(tile, total, share, ok, col_ok, cols, rows, pid, out_ptr, parts_ptr, sq_ptr, count,
            N_PAD: tl.constexpr):  # fmt: skip
-    """Store a tile's window means (``ranked``: its values of ranks lo..hi-1, others 0) and per client
-    the program's sum of slot shares and of squares."""
-    tl.store(out_ptr + cols, tl.sum(ranked, axis=1) / count, mask=col_ok)
+    """Store a tile's window means (``total``: per column the sum of its values of ranks lo..hi-1) and
+    per client the program's sum of slot shares and of squares."""
+    tl.store(out_ptr + cols, total / count, mask=col_ok)
     at = parts_ptr + pid.to(tl.int64) * N_PAD + rows
     tl.store(at, tl.sum(tl.where(ok, share, 0.0), axis=0))
     tl.store(sq_ptr + pid.to(tl.int64) * N_PAD + rows, tl.sum(tl.where(ok, tile * tile, 0.0), axis=0))
@@ -44,6 +44,12 @@ def load_tile(x_ptr, sel_ptr, n, d, stride_row, stride_col, pad, INDEXED: tl.con
         source = rows.to(tl.int64)
     offsets = cols[:, None] * stride_col + source[None, :] * stride_row
     return tl.load(x_ptr + offsets, mask=ok, other=pad), cols, rows, col_ok, ok, pid
+
+
+@triton.jit
+def part(held, copies, like):
+    """held / copies in ``like``'s float type (copies >= 1)."""
+    return held.to(like.dtype) / tl.maximum(copies, 1).to(like.dtype)
 
 
 @triton.jit
@@ -91,8 +97,8 @@ def sort_kernel(x_ptr, out_ptr, parts_ptr, sq_ptr, n, d, stride_row, stride_col,
     share = ((tile > low) & (tile < high)).to(tile.dtype)
     share += tl.where(tile == low, k_low / tl.maximum(c_low, 1.0), 0.0)
     share += tl.where((tile == high) & (high != low), k_high / tl.maximum(c_high, 1.0), 0.0)
-    finish(tile, tl.where(window, ordered, 0.0), share, ok, col_ok, cols, rows, pid, out_ptr, parts_ptr,
-           sq_ptr, hi - lo, N_PAD)  # fmt: skip
+    total = tl.sum(tl.where(window, ordered, 0.0), axis=1)
+    finish(tile, total, share, ok, col_ok, cols, rows, pid, out_ptr, parts_ptr, sq_ptr, hi - lo, N_PAD)
 
 
 @triton.jit(do_not_specialize=["n", "d", "lo", "hi"])
@@ -106,9 +112,98 @@ def count_kernel(x_ptr, out_ptr, parts_ptr, sq_ptr, n, d, stride_row, stride_col
     below, equal, rank = tally(x_ptr, x_ptr, tile, cols, col_ok, rows, n, stride_row, stride_col, False,
                                N_PAD, BLOCK)  # fmt: skip
     held = tl.minimum(below + equal, hi) - tl.maximum(below, lo)
-    share = tl.where(held > 0, held.to(tile.dtype) / tl.maximum(equal, 1).to(tile.dtype), 0.0)
+    share = tl.where(held > 0, part(held, equal, tile), 0.0)
     ranked = tl.where(ok & (rank >= lo) & (rank < hi), tile, 0.0)
-    finish(tile, ranked, share, ok, col_ok, cols, rows, pid, out_ptr, parts_ptr, sq_ptr, hi - lo, N_PAD)
+    total = tl.sum(ranked, axis=1)
+    finish(tile, total, share, ok, col_ok, cols, rows, pid, out_ptr, parts_ptr, sq_ptr, hi - lo, N_PAD)
+
+
+@triton.jit
+def bits_of(like, ones):
+    """An unsigned integer tensor of ``like``'s shape and type, with its highest bit set or (``ones``)
+    every bit."""
+    width: tl.constexpr = like.dtype.primitive_bitwidth
+    return (like & 0) | ((1 << width) - 1 if ones else 1 << (width - 1))
+
+
+@triton.jit
+def ordered_keys(tile, ok):
+    """Each value as an unsigned integer of its width, ordered as the values are (a non-negative value's
+    sign bit set, every bit of a negative one flipped; -0.0 taken as +0.0, one value as a comparison has
+    them); the padding (not ``ok``) the largest key."""
+    tile = tl.where(tile == 0, 0.0, tile)
+    if tile.dtype == tl.float64:
+        bits = tile.to(tl.uint64, bitcast=True)
+    else:
+        bits = tile.to(tl.uint32, bitcast=True)
+    top, ones = bits_of(bits, False), bits_of(bits, True)
+    return tl.where(ok, tl.where((bits & top) != 0, bits ^ ones, bits | top), ones)
+
+
+@triton.jit
+def key_value(key, like):
+    """The values (``like``'s float type) of keys of :func:`ordered_keys`."""
+    top = bits_of(key, False)
+    return tl.where((key & top) != 0, key ^ top, key ^ bits_of(key, True)).to(like.dtype, bitcast=True)
+
+
+@triton.jit
+def descend(keys, r, r2, TWO: tl.constexpr):
+    """Per column of ``keys`` (BLOCK, N_PAD) the key of rank ``r`` and the count of keys below it (with
+    ``TWO`` the same for rank ``r2`` too, its counts packed beside the first's): the largest key K with
+    at most r keys below K, its bits fixed from the highest down, one count of the column's keys per bit
+    (the count the only data moved between a column's entries)."""
+    prefix = tl.zeros([keys.shape[0]], dtype=keys.dtype)
+    below = tl.zeros([keys.shape[0]], dtype=tl.int32)
+    prefix2, below2 = prefix, below
+    bit = bits_of(prefix, False)
+    for _ in range(keys.dtype.primitive_bitwidth):
+        candidate, candidate2 = prefix | bit, prefix2 | bit
+        tallies = (keys < candidate[:, None]).to(tl.int32)
+        if TWO:  # (N_PAD < 2^15: the two counts share an int32)
+            tallies += (keys < candidate2[:, None]).to(tl.int32) << 16
+        packed = tl.sum(tallies, axis=1)
+        count, count2 = packed & 0xFFFF, packed >> 16
+        prefix, below = tl.where(count <= r, candidate, prefix), tl.where(count <= r, count, below)
+        if TWO:
+            prefix2, below2 = (
+                tl.where(count2 <= r2, candidate2, prefix2),
+                tl.where(count2 <= r2, count2, below2),
+            )
+        bit = bit >> 1
+    return prefix, below, prefix2, below2
+
+
+@triton.jit(do_not_specialize=["n", "d", "lo", "hi"])
+def select_kernel(x_ptr, out_ptr, parts_ptr, sq_ptr, n, d, stride_row, stride_col, lo, hi,
+                  N_PAD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """The window's edge values selected by their bits (:func:`descend`: the key of rank lo, then of rank
+    hi - 1 unless the window's one or two values follow from it), then each entry's share from the
+    counts below and at most each edge value: O(n) comparisons a bit of the values' width, against the
+    count kernel's n^2."""
+    tile, cols, rows, col_ok, ok, pid = load_tile(x_ptr, x_ptr, n, d, stride_row, stride_col, 0.0, False,
+                                                  N_PAD, BLOCK)  # fmt: skip
+    keys = ordered_keys(tile, ok)
+    if hi - lo <= 2:  # the key of rank lo, and the next key unless low's copies hold rank hi - 1 too
+        low, below_low, high, below_high = descend(keys, lo, lo, False)
+        upto_low = tl.sum((keys <= low[:, None]).to(tl.int32), axis=1)
+        beyond = tl.min(tl.where(keys > low[:, None], keys, bits_of(keys, True)), axis=1)
+        high = tl.where(upto_low >= hi, low, beyond)
+        below_high = tl.where(upto_low >= hi, below_low, upto_low)
+    else:
+        low, below_low, high, below_high = descend(keys, lo, hi - 1, True)
+        upto_low = tl.sum((keys <= low[:, None]).to(tl.int32), axis=1)
+    upto_high = tl.sum((keys <= high[:, None]).to(tl.int32), axis=1)
+    held_low = tl.minimum(upto_low, hi) - tl.maximum(below_low, lo)  # the window's ranks holding low
+    held_high = tl.where(high != low, tl.minimum(upto_high, hi) - tl.maximum(below_high, lo), 0)
+    inside = (keys > low[:, None]) & (keys < high[:, None])
+    low_value, high_value = key_value(low, tile), key_value(high, tile)
+    share = inside.to(tile.dtype)
+    share += tl.where(keys == low[:, None], part(held_low, upto_low - below_low, tile)[:, None], 0.0)
+    share += tl.where(keys == high[:, None], part(held_high, upto_high - below_high, tile)[:, None], 0.0)
+    total = tl.sum(tl.where(inside, tile, 0.0), axis=1) + held_low.to(tile.dtype) * low_value
+    total += tl.where(high != low, held_high.to(tile.dtype) * high_value, 0.0)
+    finish(tile, total, share, ok, col_ok, cols, rows, pid, out_ptr, parts_ptr, sq_ptr, hi - lo, N_PAD)
 
 
 @triton.jit
@@ -160,5 +255,5 @@ def closest_kernel(x_ptr, sel_ptr, out_ptr, parts_ptr, n, d, stride_row, stride_
     mean = (at_rank(totals, steps, lo + beta) - at_rank(totals, steps, lo)) / beta
     tl.store(out_ptr + cols, mean.to(out_ptr.dtype.element_ty), mask=col_ok)
     held = tl.minimum(below + equal, lo + beta) - tl.maximum(below, lo)
-    share = tl.where(ok & (held > 0), held.to(tl.float64) / tl.maximum(equal, 1).to(tl.float64), 0.0)
+    share = tl.where(ok & (held > 0), part(held, equal, wide), 0.0)
     tl.store(parts_ptr + pid.to(tl.int64) * N_PAD + rows, tl.sum(share, axis=0))

@@ -3,13 +3,19 @@ lo..hi-1 and each client's count of those slots, with the CPU path's tie rule
 (:mod:`~fedtrust.aggregators.rank_windows`), and the rows' norms in the same read.
 
 A program loads a (BLOCK, N_PAD) tile: BLOCK columns of x, each column's n values padded to the next
-power of two. Two kernels (:mod:`~fedtrust.aggregators.triton_kernels`) find each entry's rank:
+power of two. Three kernels (:mod:`~fedtrust.aggregators.triton_kernels`) find the window:
 
 - ``"sort"`` (up to :data:`SORT_CLIENTS` clients) sorts each column in registers (``tl.sort``, a
   bitonic network);
-- ``"count"`` (above) counts, for each entry, the column's values below it and equal to it, reading
-  one client's row at a time: n^2 comparisons a column but no data moved between threads, which a
-  bitonic network over 32 or more values spends its time (and registers) on.
+- ``"count"`` (up to :data:`COUNT_CLIENTS`, in float64 above too) counts, for each entry, the
+  column's values below it and equal to it, reading one client's row at a time: n^2 comparisons a
+  column but no data moved between threads, which a bitonic network over 32 or more values spends its
+  time (and registers) on;
+- ``"select"`` (above, float32) finds the window's edge values by their bits: the value of rank r is the
+  largest key (the float's bits, reordered as an unsigned integer) with at most r keys below it, fixed
+  a bit at a time from the highest by one count of the column's keys a bit. 32 counts of n a column
+  in float32 (64 in float64), both edges at once for a wide window, against the count kernel's n^2;
+  each entry's share then follows from the counts below and at most each edge value.
 
 Each writes the window's mean and, per client, its share of the window's slots with the CPU path's tie
 rule (an entry whose value the window keeps k of its c copies of holds k / c; see
@@ -19,7 +25,7 @@ where the torch path (:func:`~fedtrust.aggregators.rank_windows.rank_window_by_s
 sorts it in global memory. A kernel that fails to build or launch (a GPU or toolchain Triton does not
 serve) is reported once as a warning and the torch path serves from then on.
 
-Bulyan's second phase (:func:`closest_to_median`) is a third kernel on the count kernel's tallies: per
+Bulyan's second phase (:func:`closest_to_median`) is one more kernel, on the count kernel's tallies: per
 column the window of beta ranks closest to the median, chosen with the CPU path's float64 arithmetic
 in its order, so its values are the CPU's to the bit.
 
@@ -44,6 +50,16 @@ n      torch path     ``"sort"``    ``"count"``
 (float64 at d = 1e7: n = 10, 1.58 by either kernel against 12.3; n = 100, 57 by ``"count"`` against
 157 and 159 by ``"sort"``.) ``"count"`` used 2048-value tiles and 4 warps; 4096- and 8192-value tiles
 and 8 warps were slower at every n measured.
+
+``"select"`` has not run on a GPU yet. Its routing is from the instructions the kernels issue, read
+from their sm_90 machine code (``benchmarks/kernel_model.py``, results/kernel_model.json: warp-
+instructions over the H200's issue rate, float32 median window at d = 1e7): 8.6 ms at n = 100, where
+the count kernel issues 35 ms (it measured 39.8), 4.4 against 11.8 at n = 64 (measured 15.2) and 2.2
+against 3.4 at n = 32 (measured 4.5). Where the count kernel's time is mostly its code outside the
+tally loop (n = 10), it measured 2.6x its model; ``"select"``, whose loop synchronises the program's
+warps twice a bit, may run as far from its own, so it serves only where it would win even then: above
+:data:`COUNT_CLIENTS`, in float32 (float64's 64-bit keys take twice the bits and two instructions a
+comparison). ``benchmarks/gpu_rank_windows.py`` times all three.
 """
 
 from __future__ import annotations
@@ -61,9 +77,12 @@ import torch
 MAX_CLIENTS = 100
 #: Up to this many clients the sort kernel serves, above it the count kernel (the module's table).
 SORT_CLIENTS = 16
+#: Up to this many clients the count kernel serves, above it the select kernel (the module docstring:
+#: chosen from the kernels' issue model, to be measured).
+COUNT_CLIENTS = 48
 #: Values per program's tile (BLOCK columns x N_PAD clients), and warps per program, by kernel.
-TILES = {"sort": 8192, "count": 2048}
-WARPS = {"sort": 4, "count": 4}
+TILES = {"sort": 8192, "count": 2048, "select": 2048}
+WARPS = {"sort": 4, "count": 4, "select": 4}
 
 
 #: Why a kernel failed on this process's GPU, by method, once it has: the torch path serves instead of
@@ -72,7 +91,8 @@ FAILURES: dict[str, str] = {}
 #: What each kernel serves, for the warning when it fails.
 SERVES = {
     "sort": "the median and trimmed mean of up to 16 clients",
-    "count": "the median and trimmed mean of 17 or more clients",
+    "count": "the median and trimmed mean of 17 to 48 clients (in float64, 17 or more)",
+    "select": "the float32 median and trimmed mean of 49 or more clients",
     "closest": "Bulyan's second phase",
 }
 
@@ -95,25 +115,31 @@ def suits(x: torch.Tensor, rows: int | None = None, method: str | None = None) -
         and x.dtype in (torch.float32, torch.float64)
         and (x.is_cuda or (interpreting() and x.device.type == "cpu"))
         and os.environ.get("FEDTRUST_TRITON", "1") != "0"
-        and (method or method_for(rows)) not in FAILURES
+        and (method or method_for(rows, x.dtype)) not in FAILURES
         and _kernels() is not None
     )
 
 
 @cache
 def _kernels() -> dict | None:
-    """The jitted kernels by method (``"sort"``, ``"count"``), or None where Triton does not import."""
+    """The jitted kernels by method (``"sort"``, ``"count"``, ``"select"``, ``"closest"``), or None where
+    Triton does not import."""
     try:
         from fedtrust.aggregators import triton_kernels
     except ImportError:
         return None
     return {"sort": triton_kernels.sort_kernel, "count": triton_kernels.count_kernel,
-            "closest": triton_kernels.closest_kernel}  # fmt: skip
+            "select": triton_kernels.select_kernel, "closest": triton_kernels.closest_kernel}  # fmt: skip
 
 
-def method_for(n: int) -> str:
-    """The kernel for n clients: ``"sort"`` up to :data:`SORT_CLIENTS`, ``"count"`` above."""
-    return "sort" if n <= SORT_CLIENTS else "count"
+def method_for(n: int, dtype: torch.dtype = torch.float32) -> str:
+    """The kernel for n clients: ``"sort"`` up to :data:`SORT_CLIENTS`, ``"count"`` above, and for
+    float32 ``"select"`` above :data:`COUNT_CLIENTS` (in float64 its 64 bits a value took, in the issue
+    model, 1.3x fewer instructions than the count kernel at 64 clients and 2x at 100: short of the margin
+    it needs, the module docstring)."""
+    if n <= SORT_CLIENTS:
+        return "sort"
+    return "select" if n > COUNT_CLIENTS and dtype == torch.float32 else "count"
 
 
 def _padded(n: int) -> int:
@@ -152,7 +178,7 @@ def rank_window(x: torch.Tensor, lo: int, hi: int, method: str | None = None) ->
     from fedtrust.aggregators.rank_windows import rank_window_by_sort
 
     n, d = x.shape
-    method = method or method_for(n)
+    method = method or method_for(n, x.dtype)
     n_pad, block, programs = _grid(method, n, d)
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     parts = torch.empty(programs, n_pad, dtype=x.dtype, device=x.device)

@@ -1,0 +1,193 @@
+"""What each Triton rank-window kernel issues on an NVIDIA GPU, read from its machine code: no GPU needed.
+
+    python benchmarks/kernel_model.py              # sm_90 (H100/H200): n in {10, 16, 32, 64, 100}, d = 1e7,
+                                                   # float32 and float64
+    python benchmarks/kernel_model.py --check      # every kernel builds for sm_90 without spills
+
+Triton compiles each kernel of ``fedtrust.aggregators.triton_kernels`` for the target on the CPU
+(``ptxas`` and ``cuobjdump`` ship with Triton's NVIDIA backend), with the tile the launch would use
+(``triton_windows._grid``, ``WARPS``). From the SASS the script reads the registers, spills, each loop's
+instructions and those outside loops, and models the launch's issue: every warp issues its
+instructions one a cycle on one of an SM's 4 schedulers, so it issues (outside + sum of loop length x
+trips) x warps x programs warp-instructions, at ``--sms`` x 4 x ``--ghz``. That is a floor from
+instruction issue alone (memory, latency and occupancy ignored; both branches' straight-line code
+counted), not a time: the ``measured`` column, where ``results/gpu_rank_windows.json`` has a time
+for the same kernel and tile, says how far off it is.
+
+The median window of an (n, d) matrix (lo = n // 2 - 1 .. n // 2 for even n), and a trimmed
+window (lo = n // 10 .. n - n // 10) for the select kernel, whose descent counts two ranks at once
+there. Needs Triton (torch's CUDA builds ship it); exits 2 without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+#: Loops per kernel, in the order the SASS holds them, and their trips for (n, bits, lo, hi): the count
+#: kernel's tally reads the n rows; select's descent takes a bit a trip, one rank (windows of one or two
+#: ranks) or two at once; the sort kernel's network is unrolled.
+LOOPS = {
+    "sort": lambda n, bits, lo, hi: [],
+    "count": lambda n, bits, lo, hi: [n],
+    "select": lambda n, bits, lo, hi: [bits, 0] if hi - lo <= 2 else [0, bits],
+}
+RESULTS = Path(__file__).parent / "results"
+
+
+def compiled(method: str, dtype: torch.dtype, n: int, d: int, arch: int):
+    """Triton's build of kernel ``method`` for ``n`` x ``d`` of ``dtype`` on ``sm_<arch>``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from fedtrust.aggregators import triton_windows
+
+    n_pad, block, programs = triton_windows._grid("count" if method == "closest" else method, n, d)
+    ptr = "*fp64" if dtype == torch.float64 else "*fp32"
+    if method == "closest":
+        signature = {"x_ptr": ptr, "sel_ptr": "*i64", "out_ptr": ptr, "parts_ptr": "*fp64"}
+        scalars = ["n", "d", "stride_row", "stride_col", "beta", "mlo", "mhi"]
+        shape = {"N_PAD": n_pad, "M_PAD": triton_windows._padded(n + 1), "BLOCK": block}
+    else:
+        signature = {"x_ptr": ptr, "out_ptr": ptr, "parts_ptr": ptr, "sq_ptr": ptr}
+        scalars = ["n", "d", "stride_row", "stride_col", "lo", "hi"]
+        shape = {"N_PAD": n_pad, "BLOCK": block}
+    signature |= {name: "i32" for name in scalars} | {name: "constexpr" for name in shape}
+    signature["stride_col"] = "constexpr"  # a contiguous row: Triton specialises a stride of 1
+    source = ASTSource(fn=triton_windows._kernels()[method], signature=signature,
+                       constexprs={"stride_col": 1, **shape})  # fmt: skip
+    warps = triton_windows.WARPS["count" if method == "closest" else method]
+    kernel = compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    return kernel, warps, programs
+
+
+def read_sass(kernel, workdir: Path) -> dict:
+    """Registers, spill stores and instructions (outside loops, and each loop's, in SASS order) of a
+    compiled kernel, by Triton's cuobjdump."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    cubin = workdir / f"{kernel.metadata.name}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True)
+    sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    lines = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, flags=re.M)
+    addresses = [int(a, 16) for a, _ in lines]
+    loops = []
+    for address, text in zip(addresses, (t for _, t in lines), strict=True):
+        target = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:  # a backward branch closes a loop
+            start = int(target.group(1), 16)
+            loops.append(sum(start <= a <= address for a in addresses))
+    registers = int(re.search(r"REG:(\d+)", usage.stdout).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage.stdout).group(1))
+    return {"registers": registers, "local_bytes": local, "instructions": len(lines) - sum(loops),
+            "loops": loops}  # fmt: skip
+
+
+def measured(method: str, n: int, d: int, dtype: str) -> float | None:
+    """The time ``results/gpu_rank_windows.json`` has for this kernel at its current tile (ms), if any."""
+    path = RESULTS / "gpu_rank_windows.json"
+    if not path.exists():
+        return None
+    from fedtrust.aggregators import triton_windows
+
+    label = "sort" if method == "sort" else f"{method}{triton_windows.TILES[method] // 1024}k"
+    for row in json.loads(path.read_text())["rows"]:
+        same = (row["n"], row["d"], row["dtype"], row.get("window", "median")) == (n, d, dtype, "median")
+        if same and isinstance(row.get(label), float):
+            return row[label]
+    return None
+
+
+def windows(n: int) -> dict[str, tuple[int, int]]:
+    """The median window of n values and the trimmed one (lo, hi)."""
+    median = (n // 2 - 1, n // 2 + 1) if n % 2 == 0 else (n // 2, n // 2 + 1)
+    return {"median": median, "trimmed": (n // 10, n - n // 10)}
+
+
+def model(args, workdir: Path) -> list[dict]:
+    rows = []
+    rate = args.sms * 4 * args.ghz * 1e9  # warp-instructions a second
+    for dtype, n, method in [(t, n, m) for t in args.dtype for n in args.n for m in LOOPS]:
+        kernel, warps, programs = compiled(method, dtype, n, args.d, args.arch)
+        sass = read_sass(kernel, workdir)
+        name = str(dtype).removeprefix("torch.")
+        for window, (lo, hi) in windows(n).items():
+            if window == "trimmed" and method != "select":
+                continue  # (the other kernels' work does not depend on the window)
+            trips = LOOPS[method](n, torch.finfo(dtype).bits, lo, hi)
+            if len(trips) != len(sass["loops"]):
+                raise SystemExit(f"{method}: {len(sass['loops'])} loops in its SASS, the model has {trips}")
+            issued = sass["instructions"] + sum(
+                t * size for t, size in zip(trips, sass["loops"], strict=True)
+            )
+            timed = measured(method, n, args.d, name) if window == "median" else None
+            row = {"n": n, "d": args.d, "dtype": name, "kernel": method, "window": window, **sass,
+                   "warps": warps, "programs": programs, "model_ms": issued * warps * programs / rate * 1e3,
+                   "measured_ms": timed}  # fmt: skip
+            rows.append(row)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
+    return rows
+
+
+def check(args, workdir: Path) -> None:
+    """Every kernel builds for the target, float32 and float64, at the tiles of 2, 17 and the most
+    clients the kernels serve, and spills nothing to local memory."""
+    from fedtrust.aggregators import triton_windows
+
+    for method in ["sort", "count", "select", "closest"]:
+        for dtype in (torch.float32, torch.float64):
+            for n in (2, 17, triton_windows.MAX_CLIENTS):
+                kernel, _, _ = compiled(method, dtype, n, args.d, args.arch)
+                sass = read_sass(kernel, workdir)
+                print(method, str(dtype).removeprefix("torch."), n, sass)
+                if sass["local_bytes"]:
+                    raise SystemExit(
+                        f"{method} at n = {n} spills {sass['local_bytes']} bytes to local memory"
+                    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[10, 16, 32, 64, 100])
+    parser.add_argument("--d", type=float, default=1e7)
+    parser.add_argument("--dtype", choices=["float32", "float64"], nargs="+", default=["float32", "float64"])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    parser.add_argument("--sms", type=int, default=132)
+    parser.add_argument("--ghz", type=float, default=1.98)
+    parser.add_argument("--check", action="store_true", help="only check that every kernel builds")
+    parser.add_argument("--out", type=Path, default=RESULTS / "kernel_model.json")
+    args = parser.parse_args()
+    args.d, args.dtype = int(args.d), [getattr(torch, name) for name in args.dtype]
+    if os.environ.get("TRITON_INTERPRET"):
+        raise SystemExit("unset TRITON_INTERPRET: the interpreter builds no machine code")
+    try:
+        import triton
+    except ImportError:
+        print("benchmarks/kernel_model.py needs Triton (torch's CUDA builds ship it)", file=sys.stderr)
+        raise SystemExit(2) from None
+    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / "fedtrust-kernel-model"
+    workdir.mkdir(exist_ok=True)
+    if args.check:
+        check(args, workdir)
+        return
+    rows = model(args, workdir)
+    what = ("warp-instructions issued / (SMs x 4 schedulers x clock), from the SASS, no GPU: an issue floor, "
+            "not a time (measured_ms: results/gpu_rank_windows.json)")  # fmt: skip
+    payload = {"target": f"sm_{args.arch}, {args.sms} SMs at {args.ghz} GHz", "triton": triton.__version__,
+               "command": " ".join(["python benchmarks/kernel_model.py", *sys.argv[1:]]), "model": what,
+               "rows": rows}  # fmt: skip
+    args.out.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
