@@ -36,6 +36,9 @@ VARIANTS = [("sort", "sort", 8192, 4), ("count2k", "count", 2048, 4), ("count4k"
             ("select2k", "select", 2048, 4), ("select4k", "select", 4096, 4)]  # fmt: skip
 MORE_TILES = [("count2k8w", "count", 2048, 8), ("select2k2w", "select", 2048, 2),
               ("select4k8w", "select", 4096, 8)]  # fmt: skip
+#: also timed up to SORT_CLIENTS: the sort kernel's 8192-value tile takes 255 registers a thread on sm_90
+#: (kernel_model.py), these 78 and 76
+SORT_TILES = [("sort4k8w", "sort", 4096, 8), ("sort2k", "sort", 2048, 4)]
 
 
 def measure(n: int, d: int, dtype: torch.dtype, variants: list[tuple], window: str = "median") -> dict:
@@ -81,6 +84,7 @@ def main() -> None:
     for d in args.d:
         for n in args.n:
             variants = VARIANTS + (MORE_TILES if n == max(args.n) else [])
+            variants += SORT_TILES if n <= triton_windows.SORT_CLIENTS else []
             rows.append(measure(n, int(d), torch.float32, variants))
     top = max(args.n)
     rows.append(measure(top, int(max(args.d)), torch.float32, VARIANTS[1:], window="trimmed"))
