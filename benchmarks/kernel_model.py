@@ -14,9 +14,10 @@ instruction issue alone (memory, latency and occupancy ignored; both branches' s
 counted), not a time: the ``measured`` column, where ``results/gpu_rank_windows.json`` has a time
 for the same kernel and tile, says how far off it is.
 
-The median window of an (n, d) matrix (lo = n // 2 - 1 .. n // 2 for even n), and a trimmed
-window (lo = n // 10 .. n - n // 10) for the select kernel, whose descent counts two ranks at once
-there. Needs Triton (torch's CUDA builds ship it); exits 2 without it.
+The median window of an (n, d) matrix (lo = n // 2 - 1 .. n // 2 for even n), a trimmed window
+(lo = n // 10 .. n - n // 10) for the select kernel, whose descent counts two ranks at once there, and
+Bulyan's second phase with ``aggregation.py``'s f. Needs Triton (torch's CUDA builds ship it); exits 2
+without it.
 """
 
 from __future__ import annotations
@@ -31,14 +32,24 @@ from pathlib import Path
 
 import torch
 
-#: Loops per kernel, in the order the SASS holds them, and their trips for (n, bits, lo, hi): the count
-#: kernel's tally reads the n rows; select's descent takes a bit a trip, one rank (windows of one or two
-#: ranks) or two at once; the sort kernel's network is unrolled.
-LOOPS = {
-    "sort": lambda n, bits, lo, hi: [],
-    "count": lambda n, bits, lo, hi: [n],
-    "select": lambda n, bits, lo, hi: [bits, 0] if hi - lo <= 2 else [0, bits],
-}
+KERNELS = ["sort", "count", "select", "closest"]
+
+
+def launches(method: str, n: int, bits: int) -> list[tuple[str, int, list[int]]]:
+    """(window, rows the kernel ranks, trips of each loop in the order the SASS holds them) of each
+    launch modelled for n clients: the count kernel's tally reads the n rows; select's descent takes a
+    bit a trip, one rank (a median's one or two ranks) or two at once (a trimmed window); the sort
+    kernel's network is unrolled; Bulyan's kernel (f = n // 5 as ``aggregation.py`` sets it, within
+    n >= 4f + 3) tallies and runs over its theta selected rows, then over its theta - beta + 1 windows."""
+    if method == "closest":
+        f = min(n // 5, (n - 3) // 4)
+        theta = n - 2 * f
+        beta = theta - 2 * f
+        return [(f"bulyan f={f}", theta, [theta, theta, theta - beta + 1])]
+    median = {"sort": [], "count": [n], "select": [bits, 0]}[method]
+    return [("median", n, median)] + ([("trimmed", n, [0, bits])] if method == "select" else [])
+
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -107,32 +118,23 @@ def measured(method: str, n: int, d: int, dtype: str) -> float | None:
     return None
 
 
-def windows(n: int) -> dict[str, tuple[int, int]]:
-    """The median window of n values and the trimmed one (lo, hi)."""
-    median = (n // 2 - 1, n // 2 + 1) if n % 2 == 0 else (n // 2, n // 2 + 1)
-    return {"median": median, "trimmed": (n // 10, n - n // 10)}
-
-
 def model(args, workdir: Path) -> list[dict]:
     rows = []
     rate = args.sms * 4 * args.ghz * 1e9  # warp-instructions a second
-    for dtype, n, method in [(t, n, m) for t in args.dtype for n in args.n for m in LOOPS]:
-        kernel, warps, programs = compiled(method, dtype, n, args.d, args.arch)
-        sass = read_sass(kernel, workdir)
+    for dtype, n, method in [(t, n, m) for t in args.dtype for n in args.n for m in KERNELS]:
         name = str(dtype).removeprefix("torch.")
-        for window, (lo, hi) in windows(n).items():
-            if window == "trimmed" and method != "select":
-                continue  # (the other kernels' work does not depend on the window)
-            trips = LOOPS[method](n, torch.finfo(dtype).bits, lo, hi)
+        for window, ranked, trips in launches(method, n, torch.finfo(dtype).bits):
+            kernel, warps, programs = compiled(method, dtype, ranked, args.d, args.arch)
+            sass = read_sass(kernel, workdir)
             if len(trips) != len(sass["loops"]):
                 raise SystemExit(f"{method}: {len(sass['loops'])} loops in its SASS, the model has {trips}")
             issued = sass["instructions"] + sum(
                 t * size for t, size in zip(trips, sass["loops"], strict=True)
             )
             timed = measured(method, n, args.d, name) if window == "median" else None
-            row = {"n": n, "d": args.d, "dtype": name, "kernel": method, "window": window, **sass,
-                   "warps": warps, "programs": programs, "model_ms": issued * warps * programs / rate * 1e3,
-                   "measured_ms": timed}  # fmt: skip
+            row = {"n": n, "d": args.d, "dtype": name, "kernel": method, "window": window, "rows": ranked,
+                   **sass, "warps": warps, "programs": programs,
+                   "model_ms": issued * warps * programs / rate * 1e3, "measured_ms": timed}  # fmt: skip
             rows.append(row)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
     return rows
@@ -143,7 +145,7 @@ def check(args, workdir: Path) -> None:
     clients the kernels serve, and spills nothing to local memory."""
     from fedtrust.aggregators import triton_windows
 
-    for method in ["sort", "count", "select", "closest"]:
+    for method in KERNELS:
         for dtype in (torch.float32, torch.float64):
             for n in (2, 17, triton_windows.MAX_CLIENTS):
                 kernel, _, _ = compiled(method, dtype, n, args.d, args.arch)
