@@ -98,7 +98,8 @@ def test_each_kernel_serves_up_to_the_limit_and_copies(n, method):
 def test_the_select_kernel_orders_values_as_comparisons_do(dtype):
     """The select kernel ranks the floats' bits, reordered: -0.0 and +0.0 one value (tied, shares split),
     an infinity, the largest exponents, subnormals, neighbours one unit in the last place apart, any sign,
-    in columns of 2 to 100 values, windows of one or two ranks and wide ones (both edges found at once).
+    in columns of 2 to 100 values, windows of one or two ranks (one descent) and of three, four and more
+    (both edges found at once).
     The means agree to the sum's rounding, n eps times the column's largest finite magnitude (values
     whose window sums overflow, or hold both infinities, have no mean to agree on)."""
     info = torch.finfo(dtype)
@@ -113,8 +114,9 @@ def test_the_select_kernel_orders_values_as_comparisons_do(dtype):
     g = torch.Generator().manual_seed(7)
     for n in (2, 5, 16, 33, 100):
         x = special[torch.randint(0, len(special), (n, 64), generator=g)]
-        for lo, hi in {(0, 1), (n - 1, n), (n // 2, n // 2 + 1), (max(0, n // 2 - 1), n // 2 + 1), (0, n),
-                       (n // 10, n - n // 10), (1, n)} - {(1, 1)}:  # fmt: skip
+        windows = {(0, 1), (n - 1, n), (n // 2, n // 2 + 1), (max(0, n // 2 - 1), n // 2 + 1), (0, n),
+                   (n // 10, n - n // 10), (1, n), (0, 3), (n - 3, n), (n // 2 - 1, n // 2 + 3)}  # fmt: skip
+        for lo, hi in {(lo, hi) for lo, hi in windows if 0 <= lo < hi <= n}:
             triton_windows.FAILURES.clear()
             values, weights, _ = triton_windows.rank_window(x, lo, hi, "select")
             assert not triton_windows.FAILURES, triton_windows.FAILURES
