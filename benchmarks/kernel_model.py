@@ -11,8 +11,8 @@ instructions and those outside loops, and models the launch's issue: every warp 
 instructions one a cycle on one of an SM's 4 schedulers, so it issues (outside + sum of loop length x
 trips) x warps x programs warp-instructions, at ``--sms`` x 4 x ``--ghz``. That is a floor from
 instruction issue alone (memory, latency and occupancy ignored; both branches' straight-line code
-counted), not a time: the ``measured`` column, where ``results/gpu_rank_windows.json`` has a time
-for the same kernel and tile, says how far off it is.
+counted, a subroutine called in a loop counted once), not a time: the ``measured`` column, where
+``results/gpu_rank_windows.json`` has a time for the same kernel and tile, says how far off it is.
 
 The median window of an (n, d) matrix (lo = n // 2 - 1 .. n // 2 for even n), a trimmed window
 (lo = n // 10 .. n - n // 10) for the select kernel, whose descent counts two ranks at once there, and
@@ -71,9 +71,15 @@ def compiled(method: str, dtype: torch.dtype, n: int, d: int, arch: int):
         scalars = ["n", "d", "stride_row", "stride_col", "lo", "hi"]
         shape = {"N_PAD": n_pad, "BLOCK": block}
     signature |= {name: "i32" for name in scalars} | {name: "constexpr" for name in shape}
-    signature["stride_col"] = "constexpr"  # a contiguous row: Triton specialises a stride of 1
-    source = ASTSource(fn=triton_windows._kernels()[method], signature=signature,
-                       constexprs={"stride_col": 1, **shape})  # fmt: skip
+    fn = triton_windows._kernels()[method]
+    # as a launch specialises (a contiguous row's stride of 1, 16-byte aligned pointers, a row stride of d
+    # divisible by 16) unless the kernel says not to
+    fixed = {} if "stride_col" in fn.do_not_specialize else {"stride_col": 1}
+    signature |= {name: "constexpr" for name in fixed}
+    aligned = [name for name, kind in signature.items() if kind.startswith("*")]
+    aligned += [name for name in ["stride_row"] if d % 16 == 0 and name not in fn.do_not_specialize]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn=fn, signature=signature, constexprs={**fixed, **shape}, attrs=attrs)
     warps = triton_windows.WARPS["count" if method == "closest" else method]
     kernel = compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     return kernel, warps, programs
@@ -93,7 +99,7 @@ def read_sass(kernel, workdir: Path) -> dict:
     addresses = [int(a, 16) for a, _ in lines]
     loops = []
     for address, text in zip(addresses, (t for _, t in lines), strict=True):
-        target = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        target = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", text)  # (BRA 0x.., BRA P0, 0x.., BRA !P0, ...)
         if target and int(target.group(1), 16) < address:  # a backward branch closes a loop
             start = int(target.group(1), 16)
             loops.append(sum(start <= a <= address for a in addresses))

@@ -5,6 +5,7 @@ emulated device; this module is the check on the hardware itself."""
 import pytest
 import torch
 from conftest import dtype_tol
+from float_specials import assert_window_agrees, special_columns, windows
 from test_devices import CASES, build, rounds, simulation_config
 
 from fedtrust import Round
@@ -92,6 +93,23 @@ def test_each_rank_window_kernel_matches_the_torch_path(n, method, dtype):
                 routed = rank_window(on_gpu, lo, hi)  # the kernel of n's method_for, or the torch path
                 torch.testing.assert_close(routed[0].cpu(), want_values, rtol=8 * n * eps, atol=8 * n * eps)
                 torch.testing.assert_close(routed[1].cpu(), want_weights, rtol=16 * eps, atol=16 * eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("method", ["sort", "count", "select"])
+def test_each_rank_window_kernel_orders_special_values_as_comparisons_do(method, dtype):
+    """-0.0 and +0.0 as one value, an infinity, the largest exponents, subnormals, neighbours one ulp
+    apart, in windows of one to four ranks and wide ones (float_specials): the bitcasts, the -0.0 fold
+    and the unsigned comparisons of the select kernel on the hardware, and the other kernels' ties."""
+    from fedtrust.aggregators import triton_windows
+    from fedtrust.aggregators.rank_windows import rank_window_by_sort
+
+    for n in (2, 5, 16, 33, 100):
+        x = special_columns(dtype, n, d=3000)
+        for lo, hi in windows(n):
+            got = triton_windows.rank_window(x.cuda(), lo, hi, method)
+            assert not triton_windows.FAILURES
+            assert_window_agrees(got, rank_window_by_sort(x, lo, hi), x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])

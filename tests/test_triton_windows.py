@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from float_specials import assert_window_agrees, special_columns, windows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -97,34 +98,16 @@ def test_each_kernel_serves_up_to_the_limit_and_copies(n, method):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_select_kernel_orders_values_as_comparisons_do(dtype):
     """The select kernel ranks the floats' bits, reordered: -0.0 and +0.0 one value (tied, shares split),
-    an infinity, the largest exponents, subnormals, neighbours one unit in the last place apart, any sign,
-    in columns of 2 to 100 values, windows of one or two ranks (one descent) and of three, four and more
-    (both edges found at once).
-    The means agree to the sum's rounding, n eps times the column's largest finite magnitude (values
-    whose window sums overflow, or hold both infinities, have no mean to agree on)."""
-    info = torch.finfo(dtype)
-    one = torch.tensor(1.0, dtype=dtype)
-    big = info.max / 128  # a hundred of them sum below the largest float
-    special = torch.tensor(
-        [0.0, -0.0, torch.inf, big, -big, info.tiny, -info.tiny, info.smallest_normal / 4,
-         -info.smallest_normal / 4, 1.0, -1.0, torch.nextafter(one, 2 * one).item(),
-         -torch.nextafter(one, 2 * one).item(), 0.0, -0.0, -big / 2],
-        dtype=dtype,
-    )  # fmt: skip
-    g = torch.Generator().manual_seed(7)
+    an infinity, the largest exponents, subnormals, neighbours one unit in the last place apart, any sign
+    (:mod:`float_specials`), in columns of 2 to 100 values, windows of one or two ranks (one descent)
+    and of three, four and more (both edges found at once)."""
     for n in (2, 5, 16, 33, 100):
-        x = special[torch.randint(0, len(special), (n, 64), generator=g)]
-        windows = {(0, 1), (n - 1, n), (n // 2, n // 2 + 1), (max(0, n // 2 - 1), n // 2 + 1), (0, n),
-                   (n // 10, n - n // 10), (1, n), (0, 3), (n - 3, n), (n // 2 - 1, n // 2 + 3)}  # fmt: skip
-        for lo, hi in {(lo, hi) for lo, hi in windows if 0 <= lo < hi <= n}:
+        x = special_columns(dtype, n)
+        for lo, hi in windows(n):
             triton_windows.FAILURES.clear()
-            values, weights, _ = triton_windows.rank_window(x, lo, hi, "select")
+            got = triton_windows.rank_window(x, lo, hi, "select")
             assert not triton_windows.FAILURES, triton_windows.FAILURES
-            want_values, want_weights = rank_window_by_sort(x, lo, hi)
-            torch.testing.assert_close(weights, want_weights, rtol=16 * info.eps, atol=16 * info.eps)
-            scale = x.nan_to_num(posinf=0.0).abs().amax(0)
-            assert ((values - want_values).abs().nan_to_num() <= 8 * n * info.eps * scale).all()
-            assert torch.equal(values.isinf(), want_values.isinf())
+            assert_window_agrees(got, rank_window_by_sort(x, lo, hi), x)
 
 
 def check_bulyan(x: torch.Tensor, selected: torch.Tensor, beta: int) -> None:
@@ -200,7 +183,7 @@ def test_rank_window_routes_to_the_kernel_and_off_it(monkeypatch):
     monkeypatch.setenv("FEDTRUST_TRITON", "0")
     rank_window(x, 3, 4)
     assert len(calls) == 1  # more clients than the kernel serves, float16, turned off: the other paths
-    assert [triton_windows.method_for(n) for n in (1, 16, 17, 48, 49, 100)] == [
+    assert [triton_windows.method_for(n) for n in (1, 16, 17, 64, 65, 100)] == [
         "sort", "sort", "count", "count", "select", "select"
     ]  # fmt: skip
     assert triton_windows.method_for(100, torch.float64) == "count"
@@ -245,3 +228,37 @@ def test_every_kernel_builds_for_a_hopper_gpu_without_spilling():
     done = subprocess.run([sys.executable, script, "--check"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.count("local_bytes': 0") == 24  # 4 kernels x 2 dtypes x 3 sizes
+
+
+def test_a_failed_select_kernel_hands_its_rounds_to_the_count_kernel(monkeypatch):
+    """The select kernel failing to build or launch on a GPU: float32 rounds of 65 or more clients take
+    the count kernel (measured), not the torch path, from that call on; the warning says so."""
+    real, launched = triton_windows._kernels(), []
+
+    class Launcher:
+        def __init__(self, method, fails):
+            self.method, self.fails = method, fails
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(self.method)
+                if self.fails:
+                    raise RuntimeError("no kernel image is available for execution on the device")
+                return real[self.method][grid](*args, **kwargs)
+
+            return launch
+
+    kernels = {name: Launcher(name, fails=name == "select") for name in real}
+    monkeypatch.setattr(triton_windows, "_kernels", lambda: kernels)
+    monkeypatch.setattr(triton_windows, "FAILURES", {})
+    x = torch.randn(70, 50, generator=torch.Generator().manual_seed(70))
+    with pytest.warns(RuntimeWarning, match="select kernel failed .* take the count kernel"):
+        values, weights, norms = triton_windows.rank_window(x, 34, 36)
+    assert launched == ["select", "count"]
+    want = rank_window_by_sort(x, 34, 36)
+    torch.testing.assert_close(values, want[0])
+    torch.testing.assert_close(weights, want[1])
+    torch.testing.assert_close(norms, row_norms(x), rtol=16 * torch.finfo(x.dtype).eps, atol=0.0)
+    assert triton_windows.method_for(70) == "count"
+    triton_windows.rank_window(x, 7, 63)
+    assert launched == ["select", "count", "count"]

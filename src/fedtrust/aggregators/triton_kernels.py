@@ -174,7 +174,7 @@ def descend(keys, r, r2, TWO: tl.constexpr):
     return prefix, below, prefix2, below2
 
 
-@triton.jit(do_not_specialize=["n", "d", "lo", "hi"])
+@triton.jit(do_not_specialize=["n", "d", "stride_col", "lo", "hi"])
 def select_kernel(x_ptr, out_ptr, parts_ptr, sq_ptr, n, d, stride_row, stride_col, lo, hi,
                   N_PAD: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """The window's edge values selected by their bits (:func:`descend`: the key of rank lo, then of rank

@@ -52,14 +52,18 @@ n      torch path     ``"sort"``    ``"count"``
 and 8 warps were slower at every n measured.
 
 ``"select"`` has not run on a GPU yet. Its routing is from the instructions the kernels issue, read
-from their sm_90 machine code (``benchmarks/kernel_model.py``, results/kernel_model.json: warp-
-instructions over the H200's issue rate, float32 median window at d = 1e7): 8.6 ms at n = 100, where
-the count kernel issues 35 ms (it measured 39.8), 4.4 against 11.8 at n = 64 (measured 15.2) and 2.2
-against 3.4 at n = 32 (measured 4.5). Where the count kernel's time is mostly its code outside the
-tally loop (n = 10), it measured 2.6x its model; ``"select"``, whose loop synchronises the program's
-warps twice a bit, may run as far from its own, so it serves only where it would win even then: above
-:data:`COUNT_CLIENTS`, in float32 (float64's 64-bit keys take twice the bits and two instructions a
-comparison). ``benchmarks/gpu_rank_windows.py`` times all three.
+from their sm_90 machine code as a launch specialises them (``benchmarks/kernel_model.py``,
+results/kernel_model.json: warp-instructions over the H200's issue rate, float32 median window at
+d = 1e7): 8.6 ms at n = 100, where the count kernel issues 30 ms (it measured 39.8), 4.4 against 10.0
+at n = 64 (measured 15.2), 2.2 against 2.8 at n = 32 (measured 4.5). The count kernel measured 1.3-1.6x
+its model at 32-100 clients and 3.3x at 10, where its code outside the tally loop dominates;
+``"select"``, whose loop synchronises the program's warps twice a bit, may run further from its own.
+So it serves where the model gives it at least 2x: float32 above :data:`COUNT_CLIENTS` (2.4x at 65
+clients, 3.5x at 100); in float64, whose 64-bit keys take twice the bits and two instructions a
+comparison, it has 1.8x at 100 clients and serves none. Its loads are not vectorised
+(``stride_col`` unspecialised): the vectorised tile's layout spread each column over more threads and
+made every bit's count cost 119 instructions a thread instead of 74. ``benchmarks/gpu_rank_windows.py``
+times all three.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ MAX_CLIENTS = 100
 SORT_CLIENTS = 16
 #: Up to this many clients the count kernel serves, above it the select kernel (the module docstring:
 #: chosen from the kernels' issue model, to be measured).
-COUNT_CLIENTS = 48
+COUNT_CLIENTS = 64
 #: Values per program's tile (BLOCK columns x N_PAD clients), and warps per program, by kernel.
 TILES = {"sort": 8192, "count": 2048, "select": 2048}
 WARPS = {"sort": 4, "count": 4, "select": 4}
@@ -88,12 +92,12 @@ WARPS = {"sort": 4, "count": 4, "select": 4}
 #: Why a kernel failed on this process's GPU, by method, once it has: the torch path serves instead of
 #: that kernel, and the others keep serving (so Bulyan's kernel failing does not cost the median its own).
 FAILURES: dict[str, str] = {}
-#: What each kernel serves, for the warning when it fails.
+#: What each kernel serves and what serves instead once it has failed, for the warning.
 SERVES = {
-    "sort": "the median and trimmed mean of up to 16 clients",
-    "count": "the median and trimmed mean of 17 to 48 clients (in float64, 17 or more)",
-    "select": "the float32 median and trimmed mean of 49 or more clients",
-    "closest": "Bulyan's second phase",
+    "sort": "the median and trimmed mean of up to 16 clients take the torch path",
+    "count": "the median and trimmed mean of 17 to 64 clients (in float64, 17 or more) take the torch path",
+    "select": "the float32 median and trimmed mean of 65 or more clients take the count kernel",
+    "closest": "Bulyan's second phase takes the torch path",
 }
 
 
@@ -136,10 +140,12 @@ def method_for(n: int, dtype: torch.dtype = torch.float32) -> str:
     """The kernel for n clients: ``"sort"`` up to :data:`SORT_CLIENTS`, ``"count"`` above, and for
     float32 ``"select"`` above :data:`COUNT_CLIENTS` (in float64 its 64 bits a value took, in the issue
     model, 1.3x fewer instructions than the count kernel at 64 clients and 2x at 100: short of the margin
-    it needs, the module docstring)."""
+    it needs, the module docstring); the count kernel there too once ``"select"`` has failed
+    (:data:`FAILURES`): the measured kernel before the torch path."""
     if n <= SORT_CLIENTS:
         return "sort"
-    return "select" if n > COUNT_CLIENTS and dtype == torch.float32 else "count"
+    select = n > COUNT_CLIENTS and dtype == torch.float32 and "select" not in FAILURES
+    return "select" if select else "count"
 
 
 def _padded(n: int) -> int:
@@ -164,8 +170,8 @@ def _launch(method: str, x: torch.Tensor, programs: int, *args, **meta) -> bool:
         return True
     except Exception as exc:  # noqa: BLE001 - any build or launch failure: the torch path, said once
         FAILURES[method] = f"{type(exc).__name__}: {exc}"[:300]
-        warnings.warn(f"fedtrust's Triton {method} kernel failed ({FAILURES[method]}); {SERVES[method]} take "
-                      "the torch path from now on", RuntimeWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(f"fedtrust's Triton {method} kernel failed ({FAILURES[method]}); {SERVES[method]} from "
+                      "now on", RuntimeWarning, stacklevel=3)  # fmt: skip
         return False
 
 
@@ -173,18 +179,21 @@ def rank_window(x: torch.Tensor, lo: int, hi: int, method: str | None = None) ->
     """(d,) means of ranks lo..hi-1 per column of ``x`` (n, d), (n,) each client's share of the
     window's slots (ties across an edge shared evenly) and (n,) float64 row norms, all from one read of
     ``x``: what :func:`~fedtrust.aggregators.rank_windows.rank_window` returns, for ``x`` that
-    :func:`suits`. ``method``: the kernel (:func:`method_for` by default). No sync."""
+    :func:`suits`. ``method``: the kernel (:func:`method_for` by default, and if that fails to build or
+    launch, the next that serves: the select kernel's rounds go to the count kernel). No sync."""
     from fedtrust.aggregators.passes import row_norms
     from fedtrust.aggregators.rank_windows import rank_window_by_sort
 
     n, d = x.shape
-    method = method or method_for(n, x.dtype)
-    n_pad, block, programs = _grid(method, n, d)
+    chosen = method or method_for(n, x.dtype)
+    n_pad, block, programs = _grid(chosen, n, d)
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     parts = torch.empty(programs, n_pad, dtype=x.dtype, device=x.device)
     sq = torch.empty(programs, n_pad, dtype=x.dtype, device=x.device)
-    if not _launch(method, x, programs, x, out, parts, sq, n, d, x.stride(0), x.stride(1), int(lo), int(hi),
-                   N_PAD=n_pad, BLOCK=block, num_warps=WARPS[method]):  # fmt: skip
+    if not _launch(chosen, x, programs, x, out, parts, sq, n, d, x.stride(0), x.stride(1), int(lo), int(hi),
+                   N_PAD=n_pad, BLOCK=block, num_warps=WARPS[chosen]):  # fmt: skip
+        if method is None and suits(x):  # the next kernel for n, the failed one now passed over
+            return rank_window(x, lo, hi)
         return (*rank_window_by_sort(x, lo, hi), row_norms(x))
     slots = parts.sum(0, dtype=torch.float64)[:n]
     return out, (slots / slots.sum()).to(x.dtype), sq.sum(0, dtype=torch.float64)[:n].sqrt()
