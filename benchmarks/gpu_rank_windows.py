@@ -37,7 +37,7 @@ VARIANTS = [("sort", "sort", 8192, 4), ("count2k", "count", 2048, 4), ("count4k"
 MORE_TILES = [("count2k8w", "count", 2048, 8), ("select2k2w", "select", 2048, 2),
               ("select4k8w", "select", 4096, 8)]  # fmt: skip
 #: also timed up to SORT_CLIENTS: the sort kernel's 8192-value tile takes 255 registers a thread on sm_90
-#: (kernel_model.py), these 78 and 76
+#: (kernel_model.py), these 80 and 80
 SORT_TILES = [("sort4k8w", "sort", 4096, 8), ("sort2k", "sort", 2048, 4)]
 
 
