@@ -4,8 +4,8 @@ Per column of an (n, d) matrix x, ``sort_kernel``, ``count_kernel`` and ``select
 mean of the values of ranks lo..hi-1 and each entry's share of the window's slots, with the tie rule
 of :func:`~fedtrust.aggregators.rank_windows.window_shares`: a value held by c entries of the column, k
 of whose ranks the window keeps, gives each of those entries k / c (1 for a value inside the window
-held once, 0 outside). Per program (a tile of BLOCK columns) they store each client's sum of shares and sum
-of squares, summed over the programs by the caller. ``closest_kernel`` is Bulyan's second phase: per
+held once, 0 outside). Per program (a tile of BLOCK columns) they store each client's sum of shares and
+sum of squares, summed over the programs by the caller. ``closest_kernel`` is Bulyan's second phase: per
 column a window of ranks of its own, chosen as the CPU path chooses it. Rows are padded to N_PAD, a
 power of two.
 """
@@ -185,11 +185,11 @@ def select_kernel(x_ptr, out_ptr, parts_ptr, sq_ptr, n, d, stride_row, stride_co
                                                   N_PAD, BLOCK)  # fmt: skip
     keys = ordered_keys(tile, ok)
     if hi - lo <= 2:  # the key of rank lo, and the next key unless low's copies hold rank hi - 1 too
-        low, below_low, high, below_high = descend(keys, lo, lo, False)
+        low, below_low, _, _ = descend(keys, lo, lo, False)
         upto_low = tl.sum((keys <= low[:, None]).to(tl.int32), axis=1)
         beyond = tl.min(tl.where(keys > low[:, None], keys, bits_of(keys, True)), axis=1)
         high = tl.where(upto_low >= hi, low, beyond)
-        below_high = tl.where(upto_low >= hi, below_low, upto_low)
+        below_high = upto_low  # (read only where high is the next key)
     else:
         low, below_low, high, below_high = descend(keys, lo, hi - 1, True)
         upto_low = tl.sum((keys <= low[:, None]).to(tl.int32), axis=1)
@@ -202,7 +202,7 @@ def select_kernel(x_ptr, out_ptr, parts_ptr, sq_ptr, n, d, stride_row, stride_co
     share += tl.where(keys == low[:, None], part(held_low, upto_low - below_low, tile)[:, None], 0.0)
     share += tl.where(keys == high[:, None], part(held_high, upto_high - below_high, tile)[:, None], 0.0)
     total = tl.sum(tl.where(inside, tile, 0.0), axis=1) + held_low.to(tile.dtype) * low_value
-    total += tl.where(high != low, held_high.to(tile.dtype) * high_value, 0.0)
+    total += tl.where(high != low, held_high.to(tile.dtype) * high_value, 0.0)  # (0 * inf would be NaN)
     finish(tile, total, share, ok, col_ok, cols, rows, pid, out_ptr, parts_ptr, sq_ptr, hi - lo, N_PAD)
 
 

@@ -23,7 +23,8 @@ rule (an entry whose value the window keeps k of its c copies of holds k / c; se
 tie shares (sybils' copies straddling an edge included) and the norms take one read of x and no sync,
 where the torch path (:func:`~fedtrust.aggregators.rank_windows.rank_window_by_sort`) transposes x and
 sorts it in global memory. A kernel that fails to build or launch (a GPU or toolchain Triton does not
-serve) is reported once as a warning and the torch path serves from then on.
+serve) is reported once as a warning and the torch path serves its rounds from then on (the count
+kernel the select kernel's).
 
 Bulyan's second phase (:func:`closest_to_median`) is one more kernel, on the count kernel's tallies: per
 column the window of beta ranks closest to the median, chosen with the CPU path's float64 arithmetic
@@ -138,9 +139,8 @@ def _kernels() -> dict | None:
 
 def method_for(n: int, dtype: torch.dtype = torch.float32) -> str:
     """The kernel for n clients: ``"sort"`` up to :data:`SORT_CLIENTS`, ``"count"`` above, and for
-    float32 ``"select"`` above :data:`COUNT_CLIENTS` (in float64 its 64 bits a value took, in the issue
-    model, 1.3x fewer instructions than the count kernel at 64 clients and 2x at 100: short of the margin
-    it needs, the module docstring); the count kernel there too once ``"select"`` has failed
+    float32 ``"select"`` above :data:`COUNT_CLIENTS` (in float64 its margin over the count kernel is too
+    thin: the module docstring); the count kernel there too once ``"select"`` has failed
     (:data:`FAILURES`): the measured kernel before the torch path."""
     if n <= SORT_CLIENTS:
         return "sort"
