@@ -16,8 +16,10 @@ counted, a subroutine called in a loop counted once), not a time: the ``measured
 
 The median window of an (n, d) matrix (lo = n // 2 - 1 .. n // 2 for even n), a trimmed window
 (lo = n // 10 .. n - n // 10) for the select kernel, whose descent counts two ranks at once there, and
-Bulyan's second phase with ``aggregation.py``'s f. Needs Triton (torch's CUDA builds ship it); exits 2
-without it.
+Bulyan's second phase with ``aggregation.py``'s f. The select kernel's descent stops once each column's
+bits fixed leave one key in range, so its trips depend on the data: they are counted on the CPU for
+``randn`` columns, the data ``gpu_rank_windows.py`` times (:func:`descent_trips`). Needs Triton
+(torch's CUDA builds ship it); exits 2 without it.
 """
 
 from __future__ import annotations
@@ -35,19 +37,60 @@ import torch
 KERNELS = ["sort", "count", "select", "closest"]
 
 
-def launches(method: str, n: int, bits: int) -> list[tuple[str, int, list[int]]]:
+def launches(method: str, n: int, dtype: torch.dtype) -> list[tuple[str, int, list[float]]]:
     """(window, rows the kernel ranks, trips of each loop in the order the SASS holds them) of each
     launch modelled for n clients: the count kernel's tally reads the n rows; select's descent takes a
-    bit a trip, one rank (a median's one or two ranks) or two at once (a trimmed window); the sort
-    kernel's network is unrolled; Bulyan's kernel (f = n // 5 as ``aggregation.py`` sets it, within
-    n >= 4f + 3) tallies and runs over its theta selected rows, then over its theta - beta + 1 windows."""
+    bit a trip until its ranges are single keys (:func:`descent_trips`), one rank (a median's one or two
+    ranks) or two at once (a trimmed window); the sort kernel's network is unrolled; Bulyan's kernel
+    (f = n // 5 as ``aggregation.py`` sets it, within n >= 4f + 3) tallies and runs over its theta
+    selected rows, then over its theta - beta + 1 windows."""
     if method == "closest":
         f = min(n // 5, (n - 3) // 4)
         theta = n - 2 * f
         beta = theta - 2 * f
         return [(f"bulyan f={f}", theta, [theta, theta, theta - beta + 1])]
-    median = {"sort": [], "count": [n], "select": [bits, 0]}[method]
-    return [("median", n, median)] + ([("trimmed", n, [0, bits])] if method == "select" else [])
+    median_lo = n // 2 if n % 2 else n // 2 - 1
+    if method != "select":
+        return [("median", n, {"sort": [], "count": [n]}[method])]
+    return [("median", n, [descent_trips(n, dtype, [median_lo]), 0]),
+            ("trimmed", n, [0, descent_trips(n, dtype, [n // 10, n - n // 10 - 1])])]  # fmt: skip
+
+
+def descent_trips(n: int, dtype: torch.dtype, ranks: list[int], columns: int = 1 << 16) -> float:
+    """The select kernel's descent trips a program takes on ``columns`` columns of n ``randn`` values
+    (gpu_rank_windows.py's data), averaged over its programs: a column's ranges are single keys once the
+    bits fixed part each rank's key from its neighbours in order (one bit past their longest common prefix
+    of bits; every bit where a neighbour is a copy), and the program stops with its slowest column."""
+    from fedtrust.aggregators import triton_windows
+
+    width = torch.finfo(dtype).bits
+    n_pad, block, _ = triton_windows._grid("select", n, columns)
+    x = torch.randn(n, columns, dtype=dtype, generator=torch.Generator().manual_seed(n))
+    x[x == 0] = 0.0  # -0.0 is +0.0's key
+    bits = x.view(torch.int32 if width == 32 else torch.int64).to(torch.int64)
+    top = (1 << (width - 1)) - 1
+    keys = torch.where(bits >= 0, bits, bits ^ top)  # ordered as the values, as signed integers
+    padding = torch.full((n_pad - n, columns), top, dtype=torch.int64)  # the largest key
+    keys = torch.cat([keys, padding]).sort(0).values
+    need = torch.ones(columns, dtype=torch.int64)
+    for r in ranks:
+        for neighbour in (r - 1, r + 1):
+            if 0 <= neighbour < n_pad:
+                need = torch.maximum(need, 1 + common_bits(keys[r] ^ keys[neighbour], width))
+    need = need.clamp_max(width)
+    return float(need[: columns // block * block].view(-1, block).max(1).values.double().mean())
+
+
+def common_bits(xor: torch.Tensor, width: int) -> torch.Tensor:
+    """The leading bits two ``width``-bit keys share, from their xor (an int64 of the same sign trick)."""
+    length = torch.zeros_like(xor)
+    rest = xor.clamp_min(0)
+    for shift in (32, 16, 8, 4, 2, 1):
+        high = rest >= (1 << shift)
+        length += high * shift
+        rest = torch.where(high, rest >> shift, rest)
+    length += rest > 0
+    return torch.where(xor < 0, 0, width - length)
 
 
 RESULTS = Path(__file__).parent / "results"
@@ -129,7 +172,7 @@ def model(args, workdir: Path) -> list[dict]:
     rate = args.sms * 4 * args.ghz * 1e9  # warp-instructions a second
     for dtype, n, method in [(t, n, m) for t in args.dtype for n in args.n for m in KERNELS]:
         name = str(dtype).removeprefix("torch.")
-        for window, ranked, trips in launches(method, n, torch.finfo(dtype).bits):
+        for window, ranked, trips in launches(method, n, dtype):
             kernel, warps, programs = compiled(method, dtype, ranked, args.d, args.arch)
             sass = read_sass(kernel, workdir)
             if len(trips) != len(sass["loops"]):

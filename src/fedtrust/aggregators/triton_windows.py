@@ -7,15 +7,17 @@ power of two. Three kernels (:mod:`~fedtrust.aggregators.triton_kernels`) find t
 
 - ``"sort"`` (up to :data:`SORT_CLIENTS` clients) sorts each column in registers (``tl.sort``, a
   bitonic network);
-- ``"count"`` (up to :data:`COUNT_CLIENTS`, in float64 above too) counts, for each entry, the
+- ``"count"`` (up to :data:`COUNT_CLIENTS`) counts, for each entry, the
   column's values below it and equal to it, reading one client's row at a time: n^2 comparisons a
   column but no data moved between threads, which a bitonic network over 32 or more values spends its
   time (and registers) on;
-- ``"select"`` (above, float32) finds the window's edge values by their bits: the value of rank r is the
+- ``"select"`` (above) finds the window's edge values by their bits: the value of rank r is the
   largest key (the float's bits, reordered as an unsigned integer) with at most r keys below it, fixed
-  a bit at a time from the highest by one count of the column's keys a bit. 32 counts of n a column
-  in float32 (64 in float64), both edges at once for a wide window, against the count kernel's n^2;
-  each entry's share then follows from the counts below and at most each edge value.
+  a bit at a time from the highest by one count of the column's keys a bit, until the bits fixed leave
+  one key in range (about 16 of float32's 32 bits and 19 of float64's 64 for 100 ``randn`` values,
+  the slowest of a program's columns), both edges at once for a wide window: O(n) a bit against the
+  count kernel's n^2. Each entry's share then follows from the counts below and at most each edge
+  value.
 
 Each writes the window's mean and, per client, its share of the window's slots with the CPU path's tie
 rule (an entry whose value the window keeps k of its c copies of holds k / c; see
@@ -54,17 +56,18 @@ and 8 warps were slower at every n measured.
 
 ``"select"`` has not run on a GPU yet. Its routing is from the instructions the kernels issue, read
 from their sm_90 machine code as a launch specialises them (``benchmarks/kernel_model.py``,
-results/kernel_model.json: warp-instructions over the H200's issue rate, float32 median window at
-d = 1e7): 8.6 ms at n = 100, where the count kernel issues 30 ms (it measured 39.8), 4.4 against 10.0
-at n = 64 (measured 15.2), 2.2 against 2.8 at n = 32 (measured 4.5). The count kernel measured 1.3-1.6x
-its model at 32-100 clients and 3.3x at 10, where its code outside the tally loop dominates;
-``"select"``, whose loop synchronises the program's warps twice a bit, may run further from its own.
-So it serves where the model gives it at least 2x: float32 above :data:`COUNT_CLIENTS` (2.4x at 65
-clients, 3.5x at 100); in float64, whose 64-bit keys take twice the bits and two instructions a
-comparison, it has 1.8x at 100 clients and serves none. Its loads are not vectorised
-(``stride_col`` unspecialised): the vectorised tile's layout spread each column over more threads and
-made every bit's count cost 119 instructions a thread instead of 74. ``benchmarks/gpu_rank_windows.py``
-times all three.
+results/kernel_model.json: warp-instructions over the H200's issue rate at d = 1e7, the descent's trips
+from ``randn`` columns): for a float32 median window 6.8 ms at n = 100, where the count kernel issues
+30 ms (it measured 39.8), 3.3 against 10.0 at n = 64 (measured 15.2), 1.8 against 2.8 at n = 32
+(measured 4.5); in float64 10.7 against 34.9 at n = 100 (measured 57.2). The count kernel measured
+1.3-1.6x its model at 32-100 clients and 3.3x at 10, where its code outside the tally loop dominates;
+``"select"``, whose loop synchronises the program's warps three times a bit, may run further from its
+own. So it serves where the model gives it at least 2x on a median window: above
+:data:`COUNT_CLIENTS`, in float32 (3.0x at 65 clients, 4.4x at 100; a trimmed window, whose descent
+counts two ranks, 2.1x and 3.1x) and float64 (2.3x and 3.3x; trimmed 1.6x and 2.3x). Its loads are not
+vectorised (``stride_col`` unspecialised): the vectorised tile's layout spread each column over more
+threads and made every bit's count cost 119 instructions a thread instead of 74.
+``benchmarks/gpu_rank_windows.py`` times all three.
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ import torch
 MAX_CLIENTS = 100
 #: Up to this many clients the sort kernel serves, above it the count kernel (the module's table).
 SORT_CLIENTS = 16
-#: Up to this many clients the count kernel serves, above it the select kernel (the module docstring:
-#: chosen from the kernels' issue model, to be measured).
+#: Up to this many clients the count kernel serves, above it the select kernel, float32 and float64 (the
+#: module docstring: chosen from the kernels' issue model, to be measured).
 COUNT_CLIENTS = 64
 #: Values per program's tile (BLOCK columns x N_PAD clients), and warps per program, by kernel.
 TILES = {"sort": 8192, "count": 2048, "select": 2048}
@@ -96,8 +99,8 @@ FAILURES: dict[str, str] = {}
 #: What each kernel serves and what serves instead once it has failed, for the warning.
 SERVES = {
     "sort": "the median and trimmed mean of up to 16 clients take the torch path",
-    "count": "the median and trimmed mean of 17 to 64 clients (in float64, 17 or more) take the torch path",
-    "select": "the float32 median and trimmed mean of 65 or more clients take the count kernel",
+    "count": "the median and trimmed mean of 17 to 64 clients take the torch path",
+    "select": "the median and trimmed mean of 65 or more clients take the count kernel",
     "closest": "Bulyan's second phase takes the torch path",
 }
 
@@ -120,7 +123,7 @@ def suits(x: torch.Tensor, rows: int | None = None, method: str | None = None) -
         and x.dtype in (torch.float32, torch.float64)
         and (x.is_cuda or (interpreting() and x.device.type == "cpu"))
         and os.environ.get("FEDTRUST_TRITON", "1") != "0"
-        and (method or method_for(rows, x.dtype)) not in FAILURES
+        and (method or method_for(rows)) not in FAILURES
         and _kernels() is not None
     )
 
@@ -137,15 +140,14 @@ def _kernels() -> dict | None:
             "select": triton_kernels.select_kernel, "closest": triton_kernels.closest_kernel}  # fmt: skip
 
 
-def method_for(n: int, dtype: torch.dtype = torch.float32) -> str:
-    """The kernel for n clients: ``"sort"`` up to :data:`SORT_CLIENTS`, ``"count"`` above, and for
-    float32 ``"select"`` above :data:`COUNT_CLIENTS` (in float64 its margin over the count kernel is too
-    thin: the module docstring); the count kernel there too once ``"select"`` has failed
-    (:data:`FAILURES`): the measured kernel before the torch path."""
+def method_for(n: int) -> str:
+    """The kernel for n clients, float32 and float64 alike (the module docstring gives the margins):
+    ``"sort"`` up to :data:`SORT_CLIENTS`, ``"count"`` up to :data:`COUNT_CLIENTS`,
+    ``"select"`` above; the count kernel there too once ``"select"`` has failed (:data:`FAILURES`): the
+    measured kernel before the torch path."""
     if n <= SORT_CLIENTS:
         return "sort"
-    select = n > COUNT_CLIENTS and dtype == torch.float32 and "select" not in FAILURES
-    return "select" if select else "count"
+    return "select" if n > COUNT_CLIENTS and "select" not in FAILURES else "count"
 
 
 def _padded(n: int) -> int:
@@ -185,7 +187,7 @@ def rank_window(x: torch.Tensor, lo: int, hi: int, method: str | None = None) ->
     from fedtrust.aggregators.rank_windows import rank_window_by_sort
 
     n, d = x.shape
-    chosen = method or method_for(n, x.dtype)
+    chosen = method or method_for(n)
     n_pad, block, programs = _grid(chosen, n, d)
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     parts = torch.empty(programs, n_pad, dtype=x.dtype, device=x.device)
