@@ -1,7 +1,7 @@
 """The IVAR/ICOV fit as a screen (``weighting="screen"``): find a minority of clients whose updates stand
 apart from the fitted consensus, drop them, and give every other source one equal vote.
 
-Why. The papers weight each source by its precision (Nguyen et al. eq 7: w_j proportional to
+Why. The papers weight each source by its precision (Nguyen et al. eq 6: w_j proportional to
 1/sigma_j^2; eq 3 for ICOV). That ranks clients well (the robustness table's detection AUROC is near 1
 under every attack), but as weights it has two costs in a heterogeneous federation: honest clients with
 unusual data get a fraction of an equal share, so the model learns less from them (IVAR-MLE loses 1-3
@@ -12,14 +12,14 @@ is in or out, and those in count equally, as in the mean.
 
 What it reads. Each group's observed spread about the estimator's consensus y of this round, the mean
 over coordinates of (x_j - y)^2 (:func:`observed_spread`): what the noise variance sigma_j^2 estimates
-(IVAR-MLE's estimate, eq 9, is this spread pooled over the window). It is not the model's variance
-Phi_jj: ICOV's Phi_jj = sigma_u^2 (||v_j||^2 + tr Psi_j) + sigma_j^2 (Algorithm 2) is a prediction
-under the prior on the factors u, and where colluders need large factors, the honest clients' predicted
-variance swells with them. Measured (Fashion-MNIST, ICOV-VB, boosted backdoor at 40%, seed 1, round 28):
-the honest clients' log Phi_jj had median -1.8 and sd 2.3, overlapping the attackers' (from 1.7), while
-their observed spread was -7.2 +- 0.4 against the attackers' 2.0 and above. The fit of Phi_jj was too
-unsure to split (BIC gain 4.8), the round went to the mean, and 20 updates boosted 50-fold took the
-model (accuracy 0.80 -> 0.04). On the observed spread the same round splits with a gain of about 180.
+(IVAR-MLE's estimate, eq 7 and Algorithm 1 line 3, is this spread pooled over the window). It is not the
+model's variance Phi_jj: ICOV's Phi_jj = sigma_u^2 (||v_j||^2 + tr Psi_j) + sigma_j^2 (Algorithm 2) is a
+prediction under the prior on the factors u, and where colluders need large factors, the honest clients'
+predicted variance swells with them. Measured (Fashion-MNIST, ICOV-VB, boosted backdoor at 40%, seed 1,
+round 28): the honest clients' log Phi_jj had median -1.8 and sd 2.3, overlapping the attackers' (from
+1.7), while their observed spread was -7.2 +- 0.4 against the attackers' 2.0 and above. The fit of Phi_jj
+was too unsure to split (BIC gain 4.8), the round went to the mean, and 20 updates boosted 50-fold took
+the model (accuracy 0.80 -> 0.04). On the observed spread the same round splits with a gain of about 180.
 
 How. The groups' log spread (one value per group of copies, so sybils count once here too) is fitted by
 a one- and a two-component Gaussian mixture (scikit-learn's ``GaussianMixture``). The round is split only
