@@ -88,6 +88,25 @@ def test_arfl_rule_follows_algorithm_1():
     )
 
 
+def test_arfl_fresh_averages_a_round_with_its_own_losses():
+    """``fresh=True``: this round's reports enter alpha before the round is averaged, where the paper's
+    order (the default) averages it with the alpha its earlier reports gave. One client's loss jumps
+    from 1 to 8: the default keeps its weight for that round and drops it the next; fresh drops it at
+    once, with the alpha of Theorem 4.3 on the new losses."""
+    ids, x = ["a", "b", "c"], torch.eye(3, dtype=torch.float64)
+    before = {"train_loss": torch.tensor([1.0, 1.0, 1.0])}
+    now = Round(updates=x, client_ids=ids, num_samples=[10, 10, 10], metrics={"train_loss": [1.0, 1.0, 8.0]})
+    paper, fresh = rule("arfl", lam=1.0), rule("arfl", lam=1.0, fresh=True)
+    for r in (paper, fresh):
+        r.observe(ids, [10, 10, 10], before)
+    torch.testing.assert_close(paper(now).weights, torch.full((3,), 1 / 3, dtype=torch.float64))
+    alpha, p = arfl_weights(torch.tensor([1.0, 1.0, 8.0]), torch.full((3,), 10.0), 30.0)
+    out = fresh(now)
+    assert out.weights[2] == 0 and out.info["p"] == p == 2
+    torch.testing.assert_close(out.weights, alpha / alpha.sum())
+    torch.testing.assert_close(paper(now).weights, out.weights)  # the default catches up a round later
+
+
 def focus_by_hand(ls, ll, n, alpha):
     """Eqs 3, 6 and 8 written out directly."""
     e = [a + b for a, b in zip(ls, ll, strict=True)]

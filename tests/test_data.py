@@ -255,6 +255,21 @@ def test_corrupting_a_fraction_of_samples():
         assert changed.sum() <= round(0.5 * len(changed))
 
 
+@pytest.mark.parametrize("std", [0.5, 2.0])
+def test_target_noise_adds_noise_scaled_to_the_targets_spread(std):
+    """target_noise: y + N(0, (std sd(y))^2), features untouched; a classification task is refused. On
+    20,000 targets of sd 3 the added noise has mean 0 and sd 3 std, to a few standard errors."""
+    g = G().manual_seed(0)
+    x, y = torch.randn(20_000, 4, generator=g), 5 + 3 * torch.randn(20_000, generator=g, dtype=torch.float64)
+    nx, ny = data_corruption("target_noise", std=std)(x, y, None, G().manual_seed(1))
+    assert torch.equal(nx, x) and ny.dtype == y.dtype
+    noise = ny - y
+    assert abs(float(noise.mean())) < 4 * std * float(y.std()) / len(y) ** 0.5
+    assert float(noise.std()) == pytest.approx(std * float(y.std()), rel=0.03)
+    with pytest.raises(ValueError, match="target_noise is for regression targets"):
+        data_corruption("target_noise")(x, torch.zeros(3, dtype=torch.long), 10, G())
+
+
 def test_label_corruptions_refuse_regression_targets():
     with pytest.raises(ValueError, match="regression task"):
         data_corruption("label_flip")(torch.zeros(3, 2), torch.zeros(3), None, G())

@@ -1,7 +1,10 @@
 """Paper-ready figures: one colour and line per rule in every figure, shared scales, error bands over
 seeds, PNG + PDF + SVG at sizes that fit a one- or two-column paper."""
 
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -33,7 +36,18 @@ def test_a_rule_looks_the_same_in_every_figure_whatever_else_is_drawn():
     assert rule_style("trimmed_mean(f=0.3)") == rule_style("trimmed_mean")
     behind = rule_style("nnm+median")  # pre-aggregators: the colour of the rule behind them, another line
     assert behind["color"] == rule_style("median")["color"] and behind["ls"] == "-." and behind["marker"]
-    assert rule_style("my_own_rule") == rule_style("my_own_rule")  # a rule from outside: stable too
+
+
+def test_a_rule_from_outside_fedtrust_keeps_its_style_from_one_process_to_the_next():
+    """An unregistered rule's style comes from its name, not from Python's per-process string hash: the
+    same in processes with different hash seeds, so its line matches across reports."""
+    code = "from fedtrust.report.style import rule_style; print(rule_style('my_own_rule'))"
+    seen = {
+        subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
+                       capture_output=True, text=True, check=True).stdout.strip()
+        for seed in ("1", "2", "3")
+    }  # fmt: skip
+    assert seen == {str(rule_style("my_own_rule"))}
 
 
 def test_variants_of_one_rule_are_shades_of_its_colour_each_with_a_marker():

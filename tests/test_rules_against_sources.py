@@ -169,10 +169,13 @@ def test_centered_clipping_matches_reference_over_rounds(seed, n, d, tau, iters)
     for t in range(3):
         x = random_updates(seed + t, n, d) * 3 + 1
         out = cc(Round(updates=x))
-        v = ref.centered_clipping(x.numpy(), v, tau, iters)
+        old, v = v, ref.centered_clipping(x.numpy(), v, tau, iters)
         np.testing.assert_allclose(out.vector.numpy(), v, rtol=1e-9, atol=1e-12)
-        # the vector is exactly the reported mixture of the old centre and the clients
+        # the vector is the reported mixture: center_weight on the old centre, the rest on the clients
         assert out.weights.sum().item() == pytest.approx(1.0)
+        keep = out.info["center_weight"]
+        mixture = keep * old + (1 - keep) * (out.weights.numpy() @ x.numpy())
+        np.testing.assert_allclose(out.vector.numpy(), mixture, rtol=1e-9, atol=1e-9 * (1 + np.abs(v).max()))
 
 
 @given(seeds, st.integers(3, 9), st.integers(2, 8))

@@ -27,7 +27,7 @@ import torch
 
 from fedtrust._checks import check_float, check_int, check_seed
 from fedtrust.aggregators.base import BaseRule, Component
-from fedtrust.aggregators.core import Aggregate, Round, RoundRefused, budget_for, check_f
+from fedtrust.aggregators.core import Aggregate, Round, budget_for, check_f
 from fedtrust.aggregators.distances import pairwise_sq_distances
 from fedtrust.aggregators.passes import row_norms
 from fedtrust.aggregators.state import SeededCalls
@@ -293,7 +293,7 @@ class PreAggregated(BaseRule):
         for stage in self._pre:
             try:
                 mixed, m = stage(mixed, quarantined)
-            except RoundRefused as exc:
+            except ValueError as exc:  # (a RoundRefused too) named for the rule the user built
                 raise type(exc)(f"{self.name}: {exc}") from None
             mixing = m if mixing is None else m @ mixing
         rows = mixing.sum(1, keepdim=True)
@@ -309,7 +309,7 @@ class PreAggregated(BaseRule):
         )
         try:
             out = self._rule(inner_round)
-        except RoundRefused as exc:
+        except ValueError as exc:  # (a RoundRefused, or the inner rule's state refusing this round)
             raise type(exc)(f"{self.name}: {exc}") from None
         coef = out.weights.to(device=mixing.device, dtype=torch.float64) @ mixing
         if not float(coef.sum()) > 0:
