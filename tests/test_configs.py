@@ -240,3 +240,48 @@ def test_numbers_in_exponent_form_are_numbers_in_configs_and_overrides(tmp_path)
     path.write_text("name: t\nrule: {name: geometric_median, nu: 1e-6}\ntrain: {lr: 5E-1}\n")
     cfg = load(path, ["rule.tol=1e-9"])
     assert cfg.rule.options["nu"] == 1e-6 and cfg.rule.options["tol"] == 1e-9 and cfg.train.lr == 0.5
+
+
+def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path):
+    """YAML forbids it and PyYAML keeps the last silently: a second train section would drop the first's
+    learning rate; a repeated sweep key would run only its last list."""
+    path = tmp_path / "c.yaml"
+    path.write_text("name: t\ntrain: {rounds: 2, lr: 0.5}\nrule: {name: median}\ntrain: {rounds: 3}\n")
+    with pytest.raises(
+        ConfigError, match=r"(?s)c.yaml: not valid YAML .*key 'train' given twice \(first on line 2\)"
+    ):
+        load(path)
+    path.write_text("name: t\nsweep: {seed: [0, 1], seed: [5]}\n")
+    with pytest.raises(ConfigError, match=r"key 'seed' given twice"):
+        load(path)
+
+
+def test_only_true_and_false_are_booleans_as_in_yaml_1_2(tmp_path):
+    """YAML 1.1 reads off/on/yes/no as booleans: sybils: off would be False, refused as not 'off'."""
+    from fedtrust.registry import yaml_value
+
+    assert yaml_value("[off, on, yes, no, true, False]") == ["off", "on", "yes", "no", True, False]
+    path = tmp_path / "c.yaml"
+    path.write_text("name: t\nrule: {name: ivar_mle, sybils: off}\n")
+    cfg = load(path, ["name=no"])
+    assert cfg.rule.options["sybils"] == "off" and cfg.name == "no"
+
+
+def test_set_refuses_a_path_the_sweep_sets(tmp_path):
+    """The sweep sets its paths in every run, over any --set: refused rather than silently ignored (a
+    section above a swept path or a path below one alike); the sweep's own list can be set."""
+    path = tmp_path / "sw.yaml"
+    path.write_text("name: t\nrule: {name: median}\nsweep: {seed: [0, 1], rule.name: [median, mean]}\n")
+    for item in ["seed=5", "rule.name=krum", "rule={name: krum}"]:
+        with pytest.raises(ConfigError, match=r"sw.yaml sweeps (seed|rule.name), which sets it in every run"):
+            load(path, [item])
+    assert [cfg.seed for _, cfg in expand(load(path, ["sweep.seed=[5]"]))] == [5, 5]
+
+
+def test_a_folder_or_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file .* is a folder; give the YAML file"):
+        load(tmp_path)
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"name: t\xff\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: not UTF-8 text \(byte 7 is 0xff\)"):
+        load(path)

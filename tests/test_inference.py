@@ -526,6 +526,11 @@ def test_infer_command_reads_a_csv_and_writes_consensus_and_reliability(tmp_path
     assert reliability["liar"] < min(reliability[s] for s in "abc") / 10
     bad = CliRunner().invoke(app, ["infer", str(path), "--method", "ivar"])
     assert bad.exit_code == 2 and "unknown method 'ivar'" in bad.output
+    folder = CliRunner().invoke(app, ["infer", str(tmp_path), "--out", str(tmp_path / "c.csv")])
+    assert folder.exit_code == 2 and "is a folder; give the CSV file" in folder.output
+    path.write_bytes(b"a,b\n1,\xff\n")
+    latin = CliRunner().invoke(app, ["infer", str(path), "--out", str(tmp_path / "c.csv")])
+    assert latin.exit_code == 2 and "not UTF-8 text (byte 6 is 0xff)" in latin.output
 
 
 def test_ivar_vb_aggregates_its_posterior_mean_not_weights_times_updates():

@@ -64,8 +64,10 @@ def check_options(kind: str, name: str, builder: Callable, options: Mapping[str,
 
 
 def yaml_value(text: str) -> Any:
-    """YAML text read as data, with YAML 1.2's floats: ``1e-6`` and ``1E5`` are numbers (PyYAML, a YAML
-    1.1 reader, keeps them strings unless written ``1.0e-6``), as every config and spec is read."""
+    """YAML text read as data, as every config and spec is read, with YAML 1.2's scalars: ``1e-6`` and
+    ``1E5`` are numbers (PyYAML, a YAML 1.1 reader, keeps them strings unless written ``1.0e-6``) and only
+    true/false are booleans (``sybils: off`` is the string 'off', not YAML 1.1's False). A key given
+    twice in one mapping is refused (YAML forbids it; PyYAML would keep the last silently)."""
     import yaml
 
     return yaml.load(text, Loader=_loader())  # noqa: S506 - a SafeLoader subclass
@@ -76,9 +78,25 @@ def _loader():
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark,
+                        f"key {key!r} given twice (first on line {seen[key] + 1})", key_node.start_mark,
+                    )  # fmt: skip
+                seen[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep=deep)
 
-    Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    bool_tag = "tag:yaml.org,2002:bool"
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag != bool_tag]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    yaml_12_bools = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+    Loader.add_implicit_resolver(bool_tag, yaml_12_bools, list("tTfF"))
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
         re.compile(r"^[-+]?(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9_]+)[eE][-+]?[0-9]+$"),

@@ -24,9 +24,16 @@ def read_estimates(path: str | Path) -> tuple[list[str], list[str], torch.Tensor
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"estimates file {path} does not exist")
-    with open(path, newline="") as fh:
-        reader = csv.reader(fh)
-        numbered = [(reader.line_num, row) for row in reader if any(cell.strip() for cell in row)]
+    if path.is_dir():
+        raise ValueError(f"estimates file {path} is a folder; give the CSV file")
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            reader = csv.reader(fh)
+            numbered = [(reader.line_num, row) for row in reader if any(cell.strip() for cell in row)]
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x})"
+        ) from None
     if len(numbered) < 2:
         raise ValueError(f"{path}: needs a header row naming the sources and at least one task row")
     lines, rows = zip(*numbered, strict=True)

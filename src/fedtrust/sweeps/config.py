@@ -253,18 +253,32 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Exper
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder; give the YAML file")
     try:
-        raw = yaml_value(path.read_text())
+        raw = yaml_value(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x})"
+        ) from None
     if raw is None:  # an empty file would run the default experiment, which nobody asked for
         raise ConfigError(f"{path} is empty; a config names at least its experiment (name: ...)")
+    swept = [p for k in raw.get("sweep") or {} for p in str(k).split("+")] if isinstance(raw, dict) else []
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set expects path=value, got {item!r}")
+        key = key.strip()
+        clash = next((p for p in swept if key in (p, *_parents(p)) or p in _parents(key)), None)
+        if clash is not None:  # the sweep would set it again in every run, silently
+            raise ConfigError(
+                f"--set {item!r}: {path.name} sweeps {clash}, which sets it in every run; change its sweep "
+                f"list instead"
+            )
         try:
-            _set(raw, key.strip(), yaml_value(value), f"{path.name}: --set ")
+            _set(raw, key, yaml_value(value), f"{path.name}: --set ")
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {item!r}: the value is not valid YAML ({exc})") from None
     cfg = validate(raw, f"{path.name}: ")
@@ -273,6 +287,12 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Exper
 
 
 # ---------------------------------------------------------------- sweeps
+
+
+def _parents(dotted: str) -> list[str]:
+    """The sections above a dotted path: ``a.b.c`` -> ``a``, ``a.b``."""
+    keys = dotted.split(".")
+    return [".".join(keys[:i]) for i in range(1, len(keys))]
 
 
 def _set(tree: dict, dotted: str, value: Any, where: str) -> None:
