@@ -120,3 +120,28 @@ def test_a_diverged_row_the_attacker_does_not_read_changes_nothing():
     expected = attack("alie", z=1.5)(context(n=10, bad=3, d=6))
     ctx.updates[0, 4] = math.nan
     torch.testing.assert_close(attack("alie", z=1.5)(ctx), expected)
+
+
+@pytest.mark.parametrize("name", ["ipm", "alie", "mimic", "min_max"])
+def test_a_round_of_only_corrupted_clients_attacks_with_their_trained_updates(name):
+    """With no benign client in a round (a sampled round, or every client corrupted), an omniscient
+    attack reads every client's honest update: the simulator trains them for it rather than leave the
+    zeros of clients it skips (the attack sent exact zeros, silently weaker, before). IPM sends -0.1
+    times the mean of those clients' trained updates; mimic copies one of them."""
+    from fedtrust.sweeps.config import validate
+    from fedtrust.sweeps.runner import build_simulation
+
+    def simulation(corruption):
+        config = {"name": "x", "data": {"name": "digits", "clients": 10}, "train": {"rounds": 2, "lr": 0.5},
+                  "rule": {"name": "mean"}, **corruption}  # fmt: skip
+        return build_simulation(validate(config))
+
+    sim = simulation({"corruption": {"name": name, "fraction": 0.3}})
+    bad = torch.nonzero(sim.fed.corrupted).flatten().tolist()
+    sent = sim.client_round(1, bad).updates
+    honest, _ = simulation({}).local_updates(1, bad)
+    assert bool(torch.isfinite(sent).all()) and bool((sent.norm(dim=1) > 0).all())
+    if name == "ipm":
+        torch.testing.assert_close(sent, (-0.1 * honest.mean(0)).expand_as(sent))
+    if name == "mimic":
+        assert any(torch.equal(sent[0], row) for row in honest)

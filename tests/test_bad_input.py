@@ -120,6 +120,22 @@ def test_overflowing_update_is_quarantined():
     torch.testing.assert_close(out.vector, x.mean(0))
 
 
+@pytest.mark.parametrize("name", ["mean", "fedavg"])
+def test_the_mean_keeps_finite_updates_of_any_size_whatever_else_the_round_holds(name):
+    """The mean and FedAvg quarantine an update for a NaN or Inf, never for its size: two clients at 3e38
+    (the mean's entries, 1.2e38, sum past float32's range over four coordinates), or beside a client
+    with a NaN, are kept (both were quarantined for their norms before)."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    x[:2] = 3e38
+    out = rule(name)(Round(updates=x))
+    assert "quarantined" not in out.info
+    torch.testing.assert_close(out.vector, x.double().mean(0).float())  # (x.mean(0) itself overflows)
+    x[2, 0] = math.nan
+    out = rule(name)(Round(updates=x))
+    assert list(out.info["quarantined"]) == [2] and "non-finite entries" in out.info["quarantined"][2]
+    torch.testing.assert_close(out.vector, x[[0, 1, 3, 4]].double().mean(0).float())
+
+
 def test_bad_sample_count_and_bad_metric_are_quarantined():
     x = torch.randn(5, 4)
     out = rule("fedavg")(Round(updates=x, num_samples=[1, -2, 3, math.nan, 5]))

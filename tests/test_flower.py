@@ -104,6 +104,31 @@ def test_malformed_replies_are_dropped_with_a_reason_and_the_round_goes_on():
         run(FedAvg(fraction_evaluate=0.0, min_available_nodes=8), federation(extra=broken), rounds=1)
 
 
+def test_a_nodes_second_reply_in_a_round_is_dropped_with_a_reason():
+    """One node is one client: a second reply from the same node (a grid that delivers it twice) is
+    left out with a reason and the round goes on, whether trust is keyed by node ids or by names (it
+    ended the round with "Round.client_ids must be distinct" before)."""
+
+    class Twice(InProcessGrid):
+        def send_and_receive(self, messages, timeout=None):
+            replies = list(super().send_and_receive(messages, timeout))
+            return replies + replies[-1:]
+
+    for identity in ("node-id", "name"):
+        grid = Twice(federation().nodes)
+        strategy = TrustStrategy(
+            rule="median", identity=identity, fraction_evaluate=0.0, min_available_nodes=4
+        )
+        run(strategy, grid, rounds=1)
+        record = strategy.history[-1]
+        assert len(record["clients"]) == 4
+        ((name, reason),) = record["dropped"].items()
+        assert (
+            reason == f"node {record['node_ids'][-1]} already replied this round"
+            and name in record["clients"]
+        )
+
+
 def test_a_reply_in_another_float_layout_is_read_and_one_that_is_not_floats_is_dropped():
     """Arrays are matched by name and read in either byte order; integers, complex numbers and extended
     precision in a float entry would be truncated by a cast, so the reply goes, and the round goes on."""

@@ -52,6 +52,12 @@ def test_a_model_that_does_not_match_is_refused_naming_it():
         fedtrust.Round.from_models([[1.0, 2.0]])
     with pytest.raises(ValueError, match="must be a non-empty list"):
         fedtrust.Round.from_models([])
+    floats = torch.nn.Linear(4, 3).state_dict()
+    ints = {k: v.long() for k, v in floats.items()}  # a cast would truncate every weight to 0
+    with pytest.raises(ValueError, match=r"models\[1\]\['weight'\] holds torch.int64, models\[0\]'s floats"):
+        fedtrust.Round.from_models([floats, ints, floats])
+    with pytest.raises(ValueError, match=r"models\[0\] has no floating-point entries"):
+        fedtrust.Round.from_models([ints, floats])
 
 
 def test_flame_on_models_given_as_deltas_clips_the_deltas_once():

@@ -69,13 +69,16 @@ class BaseRule(Component):
     in ``fedtrust rules``) and ``requires`` (client metrics the rule reads); a rule whose first pass over
     the updates can take their norms may add ``first_pass`` (see the module docstring). Stateless rules
     inherit an empty ``state_dict``; ``per_client_state`` says the state is kept per client id across
-    rounds (a history, a reputation), so its rows must be clients, not mixtures of them.
+    rounds (a history, a reputation), so its rows must be clients, not mixtures of them. ``keeps_large``:
+    the rule only adds the updates (the mean, FedAvg), so a finite update whose norm overflows the dtype is
+    harmless to it and only non-finite ones are quarantined.
     """
 
     name: ClassVar[str] = "base"
     paper: ClassVar[str] = ""
     requires: ClassVar[tuple[str, ...]] = ()
     per_client_state: ClassVar[bool] = False
+    keeps_large: ClassVar[bool] = False
 
     def __call__(self, round: Round) -> Aggregate:
         return call_rule(self, round)

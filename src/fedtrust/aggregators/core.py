@@ -107,6 +107,9 @@ def _flat_entries(model: Any, layout: list[tuple[str, torch.Size]], where: str) 
         if state[name].shape != shape:
             raise ValueError(f"Round.from_models: {where}[{name!r}] has shape {tuple(state[name].shape)}, "
                              f"models[0]'s has {tuple(shape)}")  # fmt: skip
+        if not state[name].is_floating_point():
+            raise ValueError(f"Round.from_models: {where}[{name!r}] holds {state[name].dtype}, models[0]'s "
+                             "floats (a cast would truncate the weights)")  # fmt: skip
         parts.append(state[name].detach().reshape(-1))
     return torch.cat(parts)
 
@@ -220,6 +223,8 @@ class Round:
             raise ValueError(f"Round.from_models: models must be a non-empty list of modules or state dicts, "
                              f"got {type(models).__name__}")  # fmt: skip
         layout = _float_entries(models[0], "models[0]")
+        if not layout:
+            raise ValueError("Round.from_models: models[0] has no floating-point entries to aggregate")
         vectors = [_flat_entries(m, layout, f"models[{i}]") for i, m in enumerate(models)]
         updates = torch.stack(vectors)
         if previous is not None:

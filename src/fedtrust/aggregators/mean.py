@@ -20,6 +20,7 @@ class Mean(BaseRule):
 
     name = "mean"
     paper = "uniform average (the 'Uniform avg' baseline of Nguyen et al., Table 1)"
+    keeps_large = True  # it only adds: a finite update of any size is kept (BaseRule)
 
     def weights(self, round: Round) -> torch.Tensor:
         return torch.full((round.n,), 1.0 / round.n, dtype=round.updates.dtype, device=round.updates.device)
@@ -27,7 +28,8 @@ class Mean(BaseRule):
     def first_pass(self, round: Round) -> FirstPass:
         w = self.weights(round)
         vector = weighted_sum(round.updates, w)
-        return FirstPass((vector, w), finite=math.isfinite(float(vector.sum())))  # NaN/Inf: a non-finite sum
+        # NaN/Inf anywhere: a non-finite sum (in float64, which finite float32 entries cannot overflow)
+        return FirstPass((vector, w), finite=math.isfinite(float(vector.sum(dtype=torch.float64))))
 
     def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
         vector, w = first.value

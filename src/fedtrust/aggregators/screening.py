@@ -66,16 +66,20 @@ def norm_limit(dtype: torch.dtype) -> float:
 
 
 def screen(
-    round: Round, requires: Sequence[str] = (), updates: bool = True, rule: str = "this rule"
+    round: Round,
+    requires: Sequence[str] = (),
+    updates: bool = True,
+    rule: str = "this rule",
+    sizes: bool = True,
 ) -> dict[int, str]:
     """Positions of the round's malformed clients -> reason: a reported count or a required metric that
-    is not finite (or a negative count), and with ``updates`` an update with a non-finite entry or a norm
-    overflowing its dtype (one pass over the updates: :attr:`Round.norms`)."""
+    is not finite (or a negative count), and with ``updates`` an update with a non-finite entry or (with
+    ``sizes``) a norm overflowing its dtype (one pass over the updates: :attr:`Round.norms`)."""
     bad = _screen_scalars(round, requires, rule)
-    return {**bad, **_screen_updates(round)} if updates else bad
+    return {**bad, **_screen_updates(round, sizes)} if updates else bad
 
 
-def _screen_updates(round: Round) -> dict[int, str]:
+def _screen_updates(round: Round, sizes: bool = True) -> dict[int, str]:
     x = round.updates
     bad: dict[int, str] = {}
     limit = norm_limit(x.dtype)
@@ -84,7 +88,7 @@ def _screen_updates(round: Round) -> dict[int, str]:
         nan, inf = int(torch.isnan(row).sum()), int(torch.isinf(row).sum())
         if nan or inf:
             bad[i] = f"update has non-finite entries ({nan} NaN, {inf} Inf of {round.d})"
-        else:
+        elif sizes:
             dtype = str(x.dtype).removeprefix("torch.")
             bad[i] = f"update norm {float(row.double().norm()):.3g} overflows {dtype}"
     return bad
@@ -121,7 +125,7 @@ def call_rule(rule: Any, round: Round) -> Aggregate:
         first = rule.first_pass(round)
         if first.clears(round):
             return rule.aggregate(round, first)
-    bad = screen(round, rule.requires, rule=rule.name)
+    bad = screen(round, rule.requires, rule=rule.name, sizes=not getattr(rule, "keeps_large", False))
     if not bad:  # (a mean whose finite updates sum past the dtype: its first pass stands)
         return rule.aggregate(round, first) if first is not None else _aggregate(rule, round, fused)
     keep = [i for i in range(round.n) if i not in bad]

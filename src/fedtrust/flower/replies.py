@@ -94,13 +94,16 @@ def screen(
     """The usable replies, and for each one left out its sender's name -> the reason (a reply without a
     name, e.g. an error, goes under the name its node gave last, in ``known``, else its node id). With
     ``by_name`` (trust keyed by names) a second reply under a name already taken this round is left
-    out."""
+    out, and so is a node's second reply (one node is one client: trust is keyed by node ids)."""
     accepted: list[Reply] = []
     dropped: dict[str, str] = {}
     taken: dict[str, int] = {}
+    nodes: set[int] = set()
     for msg in replies:
         try:
             reply = read_reply(msg, weighted_by_key, required, layout)
+            if reply.node in nodes:
+                raise MalformedReply(f"node {reply.node} already replied this round")
             if by_name and reply.name in taken:
                 raise MalformedReply(
                     f"name {reply.name!r} is already taken this round by node {taken[reply.name]}"
@@ -112,6 +115,7 @@ def screen(
             dropped[_label(name, node, dropped)] = str(exc)
             continue
         taken[reply.name] = reply.node
+        nodes.add(reply.node)
         accepted.append(reply)
     return accepted, dropped
 

@@ -133,11 +133,14 @@ class Simulation:
 
     def local_updates(self, t: int, chosen: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each chosen client's honest update and its reported train_loss (None unless ``report_loss``;
-        corrupted clients whose attack ignores their own update skip the training)."""
+        corrupted clients whose attack ignores their own update skip the training, unless every chosen
+        client is corrupted: an attack that reads the benign updates then reads theirs, as
+        :class:`~fedtrust.attacks.AttackContext` falls back to every client's, and they must be real)."""
         s = self.settings
         start = self.initial if s.mode == "one_round" else self.vector
         updates = torch.zeros(len(chosen), self.model.size, device=self.device)
-        idle = self.attack is not None and not getattr(self.attack, "uses_own_update", True)
+        some_benign = not bool(self.fed.corrupted[chosen].all())
+        idle = self.attack is not None and not getattr(self.attack, "uses_own_update", True) and some_benign
         train = [i for i, k in enumerate(chosen) if not (idle and bool(self.fed.corrupted[k]))]
         if self.batched:
             losses = None
