@@ -28,8 +28,10 @@ class Mean(BaseRule):
     def first_pass(self, round: Round) -> FirstPass:
         w = self.weights(round)
         vector = weighted_sum(round.updates, w)
-        # NaN/Inf anywhere: a non-finite sum (in float64, which finite float32 entries cannot overflow)
-        return FirstPass((vector, w), finite=math.isfinite(float(vector.sum(dtype=torch.float64))))
+        # NaN/Inf anywhere: a non-finite sum, which finite entries give too when it overflows: then a look
+        # at each entry (a float64 sum is 50x slower on the CPU at d = 1e7)
+        finite = math.isfinite(float(vector.sum())) or bool(torch.isfinite(vector).all())
+        return FirstPass((vector, w), finite=finite)
 
     def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
         vector, w = first.value
