@@ -166,6 +166,28 @@ def test_estimator_runs_on_the_tables_device(method):
     torch.testing.assert_close(on_host(res.noise), expected.noise, **tol)
 
 
+@pytest.mark.parametrize("method", ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"])
+@pytest.mark.parametrize("sources", [8, 14])  # IVAR-MLE: the Gram path and the direct passes
+def test_an_estimators_iterations_read_nothing_from_the_device(method, sources):
+    """The iterations' arithmetic on sources x tasks numbers runs on the host: the scalars read from the
+    device and the transfers do not grow with the iterations (IVAR-MLE read 3 scalars an iteration
+    there, 214 syncs on a 66-iteration round); only the passes over the data (one transfer each, on
+    IVAR-MLE's direct path) do."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 1, 40, generator=g, dtype=torch.float64) + torch.randn(2, sources, 40, generator=g,
+                                                                               dtype=torch.float64)  # fmt: skip
+    x[:, : sources // 3] *= 3
+    fit = getattr(inference, method)
+    reads = {}
+    for max_iter in (2, 12):
+        with elsewhere() as host:
+            res = fit(to_elsewhere(x), max_iter=max_iter)
+        assert res.iterations == max_iter and isinstance(res.consensus, Elsewhere)
+        passes = max_iter if method == "ivar_mle" and sources >= 12 else 0
+        reads[max_iter] = (host.syncs, host.transfers - passes)
+    assert reads[2] == reads[12]
+
+
 def test_fedag_posterior_and_its_samples_stay_on_the_device():
     models = torch.randn(8, 30, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
     expected = fit_posterior(models)

@@ -165,7 +165,9 @@ class TaskGram:
         return self.form(w[:, :, None], w[:, :, None])[:, 0, 0].clamp_min(0)
 
     def residuals(self, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(I, J): ||x_ij - sum_l w_il x_il||^2 where present, zero elsewhere, in O(J^2) per task."""
+        """(I, J): ||x_ij - sum_l w_il x_il||^2 where present, zero elsewhere, in O(J^2) per task (where
+        the statistics are: ``w`` and ``mask`` are moved there)."""
+        w, mask = w.to(self.centred.device), mask.to(self.centred.device)
         gw = (self.centred @ w[:, :, None])[:, :, 0]  # (I, J)
         delta = 1 - w.sum(1)  # the coefficient of c_i in each residual (the same for every j)
         quad = self.centred.diagonal(dim1=1, dim2=2) - 2 * gw + (w * gw).sum(1, keepdim=True)
@@ -186,18 +188,19 @@ class TaskPasses:
     """The direct alternative to :class:`TaskGram`: each evaluation of the residuals is one fused pass
     over the data (:class:`~fedtrust.aggregators.passes.CombinationPasses`: per cache-sized chunk of
     coordinates, form the combination, then the distances to it). Cheaper than a Gram matrix for many
-    sources and few iterations, as in IVAR-MLE. The last combination formed is kept (``combination``),
-    so the consensus of the final weights costs no further pass."""
+    sources and few iterations, as in IVAR-MLE. The last combination formed is kept (``combination``,
+    where the data are), so the consensus of the final weights costs no further pass. The residuals
+    come back on the host (one transfer a pass), where an estimator iterates on them."""
 
     def __init__(self, t: Tasks):
-        self.passes = CombinationPasses(t.x, norms=t.norms)
+        self.passes = CombinationPasses(t.x, norms=t.norms, host=True)
         self.combination: torch.Tensor | None = None
 
     def residuals(self, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(I, J): ||x_ij - sum_l w_il x_il||^2 where present, zero elsewhere (one fused pass; the
-        combination reuses one buffer: a fresh 40 MB buffer a pass costs its page faults)."""
+        """(I, J) on the host: ||x_ij - sum_l w_il x_il||^2 where present, zero elsewhere (one fused pass;
+        the combination reuses one buffer: a fresh 40 MB buffer a pass costs its page faults)."""
         self.combination, sq, _ = self.passes(w, out=self.combination)
-        return sq * mask
+        return sq * mask.to(sq.device)
 
 
 def residual_sq(t: Tasks, y: torch.Tensor) -> torch.Tensor:
@@ -226,6 +229,7 @@ def mean_noise(t: Tasks, gram: TaskGram | TaskPasses | None = None) -> torch.Ten
         r = residual_sq(t, weighted_sums(t, m / m.sum(1, keepdim=True))) / t.shape[2]
     else:
         r = gram.residuals(m / m.sum(1, keepdim=True), m) / t.shape[2]
+    m = m.to(r.device)  # (where the statistics are: the host, for moved or host-returning ones)
     count = m.sum(0)
     noise = torch.where(count > 0, r.sum(0) / count.clamp_min(1), torch.ones_like(count))
     positive = noise[noise > 0]
