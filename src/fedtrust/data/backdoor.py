@@ -12,8 +12,9 @@ target while its clean accuracy stays intact.
   pattern i, so together they cover the global trigger), and the model is tested with the whole trigger.
 
 Both are data corruptions (``corruption: {name: backdoor, fraction: 0.2, samples: 0.5}``): ``samples``
-is the share of a corrupted client's rows that are poisoned; the rest stay clean, as in both papers, so
-its update also keeps the main task. Pair either with an update attack (``corruption.attack``, e.g.
+is the share of a corrupted client's rows that are poisoned. Both papers keep the rest clean, so the
+update also keeps the main task: set it (0.5 in the README and the robustness table). Its default is
+every data corruption's, 1: every row stamped and relabelled, much like a label flip. Pair either with an update attack (``corruption.attack``, e.g.
 ``model_replacement``, Bagdasaryan et al. 2020) to boost what the poisoned clients send. The runner
 supplies ``input_shape`` (C, H, W) from the dataset; the simulator reports ``backdoor_asr`` beside the
 test accuracy (:class:`fedtrust.sim.evaluation.BackdoorSuccess`).
@@ -88,7 +89,8 @@ class Backdoor:
 
 
 class DistributedBackdoor(Backdoor):
-    """DBA: the global trigger's rows cut into ``parts`` stripes; corrupted client ``client`` (its rank
+    """DBA: the global trigger's rows cut into ``parts`` stripes (default 4, the paper's four local
+    triggers; here contiguous stripes of the corner square); corrupted client ``client`` (its rank
     among the corrupted clients, which the simulator and the Flower client pass) stamps stripe ``client
     mod parts``, and evaluation stamps the whole trigger. Called without ``client`` it draws a stripe
     from ``g``.
@@ -97,7 +99,7 @@ class DistributedBackdoor(Backdoor):
     name = "dba"
 
     def __init__(self, input_shape: tuple, target: int = 0, size: int | None = None, value: float = 1.0,
-                 parts: int = 2):  # fmt: skip
+                 parts: int = 4):  # fmt: skip
         self.parts = check_int("corruption dba: parts", parts, minimum=1)
         if size is None and isinstance(input_shape, list | tuple) and len(input_shape) == 3:
             size = max(parts, 2, int(input_shape[1]) // 7)
