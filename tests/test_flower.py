@@ -349,6 +349,36 @@ def test_credentials_make_a_verifiable_tls_chain_and_supernode_keys(tmp_path):
         tls_certificates(tmp_path, [])
 
 
+def test_credentials_run_again_keep_the_ca_and_the_keys_and_add_new_sites(tmp_path):
+    """A second `fedtrust flower-credentials` into the same directory (the natural way to add a site)
+    keeps the CA, the server's certificate and the registered keys, and writes only the new key pairs;
+    other hosts are refused (the certificate would not match), and --force replaces everything."""
+    from typer.testing import CliRunner
+
+    from fedtrust.cli import app
+
+    def call(*args):
+        return CliRunner().invoke(app, ["flower-credentials", "--out", str(tmp_path), *args])
+
+    def files():
+        return {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    assert call("--nodes", "2").exit_code == 0
+    before = files()
+    again = call("--nodes", "3")
+    assert again.exit_code == 0 and "kept" in again.output
+    after = files()
+    assert {k: after[k] for k in before} == before and set(after) - set(before) == {"node-3", "node-3.pub"}
+    moved = call("--host", "superlink.example.org")
+    assert (
+        moved.exit_code == 2
+        and "is for hosts 127.0.0.1, localhost, not superlink.example.org" in moved.output
+    )
+    assert files() == after
+    assert call("--force", "--nodes", "1").exit_code == 0
+    assert files()["ca.crt"] != after["ca.crt"] and files()["node-1"] != after["node-1"]
+
+
 def test_a_round_where_every_reply_is_quarantined_keeps_the_model_and_logs_why(caplog):
     nan_nodes = {200 + i: (BrokenClient("nan"), {}) for i in range(3)}
     strategy = TrustStrategy(rule="median", fraction_evaluate=0.0, min_available_nodes=3)

@@ -10,6 +10,7 @@ import pytest
 
 flwr = pytest.importorskip("flwr")
 from flower_grid import InProcessGrid, federation, initial, run, server_identity  # noqa: E402, F401
+from flwr.app import Error, Message  # noqa: E402
 
 from fedtrust.checkpoint import CorruptFileError  # noqa: E402
 from fedtrust.flower import TrustStrategy, trust_client_app  # noqa: E402
@@ -64,6 +65,34 @@ def test_a_restarted_superlink_goes_on_from_the_checkpoint(tmp_path):
         run(TrustStrategy(rule="ivar_vb", run_dir=tmp_path / "run", **QUIET), grid, rounds=3)
     with pytest.raises(ValueError, match="holds a run of .*ivar_vb.* not of this strategy .*median"):
         run(TrustStrategy(rule="median", run_dir=tmp_path / "run", **QUIET), grid, rounds=5)
+    # whom a round samples and waits for may change (a node gone for good: a lower minimum)
+    fewer = TrustStrategy(
+        rule="ivar_vb", run_dir=tmp_path / "run", fraction_evaluate=0.0, min_available_nodes=3
+    )
+    run(fewer, grid, rounds=5)
+    assert [r["round"] for r in fewer.history] == [1, 2, 3, 4, 5]
+
+
+def test_a_node_the_superlink_cannot_reach_is_named_in_the_drops():
+    """The SuperLink answers for a node that stopped sending heartbeats, from its own id (1): the drop
+    goes under the node that was messaged and did not answer, not under "1"; the round goes on."""
+
+    class Unreachable(InProcessGrid):
+        def send_and_receive(self, messages, timeout=None):
+            reach = [m for m in messages if m.metadata.dst_node_id != 103]
+            replies = list(super().send_and_receive(reach, timeout))
+            for m in messages:
+                if m.metadata.dst_node_id == 103:
+                    error = Message(Error(code=0, reason="Error: Node Unavailable"), reply_to=m)
+                    error.metadata.__dict__["_src_node_id"] = 1  # the SuperLink's id, as it sends it
+                    replies.append(error)
+            return replies
+
+    strategy = TrustStrategy(rule="median", **QUIET)
+    run(strategy, Unreachable(federation().nodes), rounds=1)
+    record = strategy.history[-1]
+    assert record["dropped"] == {"103": "the client reported an error: Error: Node Unavailable"}
+    assert len(record["clients"]) == 3
 
 
 def test_a_checkpoint_cannot_run_code_and_a_damaged_one_is_named(tmp_path):

@@ -304,13 +304,30 @@ def flower_credentials(
     nodes: int = typer.Option(
         0, min=0, help="Also write this many SuperNode key pairs (node-1, node-1.pub, ...)."
     ),
+    force: bool = typer.Option(
+        False, "--force", help="Replace what the directory holds: a new CA, which every SuperNode must get."
+    ),
 ) -> None:
-    """TLS certificates for a SuperLink (own CA) and SuperNode keys for authentication (Flower)."""
-    from fedtrust.flower.credentials import supernode_keys, tls_certificates
+    """TLS certificates for a SuperLink (own CA) and SuperNode keys for authentication (Flower).
 
-    for name, path in tls_certificates(out, host).items():
-        typer.echo(f"{name:11s} {path}")
+    What the directory already holds is kept: run it again with more --nodes to add key pairs for new
+    sites (the CA and the registered keys stay valid). --force replaces everything."""
+    from fedtrust.flower.credentials import certificate_hosts, supernode_keys, tls_certificates
+
+    pem = out / "server.pem"
+    if pem.exists() and not force:
+        had = certificate_hosts(pem)
+        if sorted(had) != sorted(host):
+            raise _fail(f"{pem} is for hosts {', '.join(had)}, not {', '.join(host)}; --force makes a new "
+                        "CA and certificate (every SuperNode then needs the new ca.crt)")  # fmt: skip
+        typer.echo(f"kept        {out / 'ca.crt'} {pem} {out / 'server.key'}")
+    else:
+        for name, path in tls_certificates(out, host).items():
+            typer.echo(f"{name:11s} {path}")
     for k in range(1, nodes + 1):
+        if (out / f"node-{k}").exists() and not force:
+            typer.echo(f"node-{k:<6d} kept")
+            continue
         private, public = supernode_keys(out, f"node-{k}")
         typer.echo(f"node-{k:<6d} {private} {public}")
 

@@ -51,6 +51,8 @@ def setting(cfg, key: str, kind: type, minimum: float | None = None):
 def partition(dataset: str, index: int, parts: int, benchmark: int = 0) -> LocalData:
     """Node ``index`` of ``parts`` gets an IID share of the training rows (after the first ``benchmark``
     rows, which the server keeps) and the test split for evaluation."""
+    if not 0 <= index < parts:
+        raise ValueError(f"node config partition-id must be in [0, num-partitions = {parts}), got {index}")
     data = load(dataset)
     order = torch.randperm(len(data.y_train), generator=torch.Generator().manual_seed(0))[benchmark:]
     rows = order.tensor_split(parts)[index]

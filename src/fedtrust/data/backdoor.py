@@ -11,13 +11,13 @@ target while its clean accuracy stays intact.
   i-th corrupted client stamps only stripe i mod ``parts`` (their Section 3: attacker i embeds local
   pattern i, so together they cover the global trigger), and the model is tested with the whole trigger.
 
-Both are data corruptions (``corruption: {name: backdoor, fraction: 0.2, samples: 0.5}``): ``samples``
-is the share of a corrupted client's rows that are poisoned. Both papers keep the rest clean, so the
-update also keeps the main task: set it (0.5 in the README and the robustness table). Its default is
-every data corruption's, 1: every row stamped and relabelled, much like a label flip. Pair either with an update attack (``corruption.attack``, e.g.
-``model_replacement``, Bagdasaryan et al. 2020) to boost what the poisoned clients send. The runner
-supplies ``input_shape`` (C, H, W) from the dataset; the simulator reports ``backdoor_asr`` beside the
-test accuracy (:class:`fedtrust.sim.evaluation.BackdoorSuccess`).
+Both are data corruptions (``corruption: {name: backdoor, fraction: 0.2, samples: 0.5}``): ``samples`` is
+the share of a corrupted client's rows that are poisoned. Both papers keep the rest clean, so the update
+also keeps the main task: set it (0.5 in the README and the robustness table). Its default is every data
+corruption's, 1: every row stamped and relabelled, much like a label flip. Pair either with an update
+attack (``corruption.attack``, e.g. ``model_replacement``, Bagdasaryan et al. 2020) to boost what the
+poisoned clients send. The runner supplies ``input_shape`` (C, H, W) from the dataset; the simulator
+reports ``backdoor_asr`` beside the test accuracy (:class:`fedtrust.sim.evaluation.BackdoorSuccess`).
 """
 
 from __future__ import annotations

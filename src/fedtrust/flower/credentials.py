@@ -92,6 +92,15 @@ def tls_certificates(
     return paths
 
 
+def certificate_hosts(path: str | Path) -> list[str]:
+    """The host names and IP addresses a certificate (PEM) is valid for."""
+    cert = x509.load_pem_x509_certificate(Path(path).read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return [
+        str(v) for v in names.get_values_for_type(x509.IPAddress) + names.get_values_for_type(x509.DNSName)
+    ]
+
+
 def supernode_keys(out: str | Path, name: str) -> tuple[Path, Path]:
     """An EC (NIST P-384) key pair in OpenSSH format, as Flower's SuperNode authentication reads it:
     ``<name>`` (private: ``flower-supernode --auth-supernode-private-key``) and ``<name>.pub`` (public:

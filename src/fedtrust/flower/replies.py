@@ -90,11 +90,19 @@ def screen(
     layout: ArrayLayout | None = None,
     by_name: bool = False,
     known: dict[int, str] | None = None,
+    sent: Sequence[int] = (),
 ) -> tuple[list[Reply], dict[str, str]]:
     """The usable replies, and for each one left out its sender's name -> the reason (a reply without a
     name, e.g. an error, goes under the name its node gave last, in ``known``, else its node id). With
     ``by_name`` (trust keyed by names) a second reply under a name already taken this round is left
-    out, and so is a node's second reply (one node is one client: trust is keyed by node ids)."""
+    out, and so is a node's second reply (one node is one client: trust is keyed by node ids).
+
+    ``sent``: the nodes messaged this round. A reply from none of them is the SuperLink's on behalf of a
+    node it could not reach ("Node Unavailable", sent from the SuperLink's own id): it goes under the
+    node messaged that did not answer, or, with several such, under all their names."""
+    replies = list(replies)
+    answered = {msg.metadata.src_node_id for msg in replies}
+    silent = [node for node in sent if node not in answered]
     accepted: list[Reply] = []
     dropped: dict[str, str] = {}
     taken: dict[str, int] = {}
@@ -112,6 +120,17 @@ def screen(
             node = msg.metadata.src_node_id
             name = reply_name(msg)
             name = (known or {}).get(node, name) if name == str(node) else name
+            if sent and node not in sent and silent:  # the SuperLink's reply for a node it could not reach
+                names = [(known or {}).get(k, str(k)) for k in silent]
+                if len(silent) == 1:
+                    node, name = silent[0], names[0]
+                else:  # which of them it stands for, the reply does not say
+                    name = f"one of {', '.join(names)}"
+                    name = (
+                        name
+                        if name not in dropped
+                        else f"{name} ({sum(k.startswith(name) for k in dropped) + 1})"
+                    )
             dropped[_label(name, node, dropped)] = str(exc)
             continue
         taken[reply.name] = reply.node

@@ -45,12 +45,9 @@ class RunDirectory:
         manifest = self.store.manifest()
         if manifest is None:
             return [], None
-        had = {k: (manifest.get("config") or {}).get(k) for k in ("rule", "strategy")}
-        if had != _plain({k: self.config[k] for k in ("rule", "strategy")}):
-            raise ValueError(
-                f"{self.store.dir} holds a run of {had}, not of this strategy "
-                f"({ {k: self.config[k] for k in ('rule', 'strategy')} }); {REMEDY}"
-            )
+        had, now = _meaning(manifest.get("config") or {}), _meaning(self.config)
+        if had != _plain(now):
+            raise ValueError(f"{self.store.dir} holds a run of {had}, not of this strategy ({now}); {REMEDY}")
         records, problem = self.store.read_rounds()
         faults = []
         for path, state, fault in self.store.checkpoints():
@@ -98,6 +95,23 @@ class RunDirectory:
             final=metrics,
             seconds=(self.store.manifest() or {}).get("seconds", 0.0) + time.perf_counter() - self.began,
         )
+
+
+#: Strategy options that say whom a round samples and waits for, not what its results mean: a resumed run
+#: may change them (a node gone for good: the same run with a lower min_available_nodes).
+SAMPLING = (
+    "fraction_train",
+    "fraction_evaluate",
+    "min_train_nodes",
+    "min_evaluate_nodes",
+    "min_available_nodes",
+)
+
+
+def _meaning(config: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a run's config a resumed run must share: the rule, the strategy's other options."""
+    strategy = {k: v for k, v in (config.get("strategy") or {}).items() if k not in SAMPLING}
+    return {"rule": config.get("rule"), "strategy": strategy}
 
 
 def _plain(tree: Any) -> Any:

@@ -30,6 +30,9 @@ from fedtrust.sim.detection import detection_auroc
 POSTERIOR_VAR = "posterior-var"
 #: What keys the rules' trust: the node ids the SuperLink assigns, or the names the nodes give.
 IDENTITIES = ("node-id", "name")
+#: A wait for nodes to connect is logged again every this many seconds, with what to do about a node
+#: gone for good.
+WAIT_LOG_SECONDS = 60
 
 MetricsAggregation = Callable[[list[RecordDict], str], MetricRecord]
 
@@ -157,6 +160,7 @@ class TrustStrategy(FedAvg):
         self._observed = False
         self._offset = 0  # rounds done before this start (a resumed run)
         self._pending: dict[str, Any] | None = None
+        self._sent: dict[str, list[int]] = {"train": [], "evaluate": []}  # the nodes messaged, by stage
 
     def _describe(self, given: dict[str, Any] | None) -> dict[str, Any]:
         """The manifest's config: the rule as given (by name and options, as the simulator's configs
@@ -207,7 +211,9 @@ class TrustStrategy(FedAvg):
                     )
                 if state is not None:
                     initial_arrays = self._restore(state)
-                    log(INFO, "run_dir %s: resuming after round %d", self.run.store.dir, len(done))
+                    log(INFO, "run_dir %s: resuming after round %d of %d (Flower's log numbers this "
+                        "submission's rounds: its round 1 is round %d)", self.run.store.dir, len(done),
+                        num_rounds, len(done) + 1)  # fmt: skip
                 self.run.start(num_rounds, done)
             self.history, self._offset = list(done), len(done)
             result = super().start(grid, initial_arrays, num_rounds - len(done), timeout, train_config,
@@ -277,6 +283,7 @@ class TrustStrategy(FedAvg):
         self.global_vector = self.layout.flatten(arrays)
         self._await_nodes(grid, self.fraction_train)
         messages = list(super().configure_train(t, arrays, config, grid))
+        self._sent["train"] = [m.metadata.dst_node_id for m in messages]
         if self.initial_report and hasattr(self.rule, "observe") and not self._observed and messages:
             self._report_all(arrays, grid)
         return self._with_posterior(messages)
@@ -289,11 +296,16 @@ class TrustStrategy(FedAvg):
         one of the nodes it then samples from."""
         if fraction == 0:
             return
-        waited = False
+        waited = 0
         while (connected := len(list(grid.get_node_ids()))) < self.min_available_nodes:
-            if not waited:
-                log(INFO, "Waiting for %d nodes to connect (%d so far)", self.min_available_nodes, connected)
-            waited = True
+            if waited % WAIT_LOG_SECONDS == 0:
+                remedy = (
+                    f", {waited} s: if a node is gone for good, stop the run and submit it again with "
+                    "a lower min_available_nodes and the same run_dir; it goes on from its last round"
+                )
+                log(INFO if not waited else WARNING, "Waiting for %d nodes to connect (%d so far%s)",
+                    self.min_available_nodes, connected, remedy if waited else "")  # fmt: skip
+            waited += 1
             time.sleep(1)
 
     def _with_posterior(self, messages: list[Message]) -> list[Message]:
@@ -350,7 +362,7 @@ class TrustStrategy(FedAvg):
             self.train_loss_key if k == "train_loss" else k for k in getattr(self.rule, "requires", ())
         ]
         accepted, dropped = screen(replies, self.weighted_by_key, required, self.layout,
-                                   self.identity == "name", self.names)  # fmt: skip
+                                   self.identity == "name", self.names, self._sent["train"])  # fmt: skip
         log(INFO, "aggregate_train: %d replies, %d dropped", len(replies), len(dropped))
         for name, reason in dropped.items():
             log(WARNING, "aggregate_train: dropped the reply of %s: %s", name, reason)
@@ -426,12 +438,15 @@ class TrustStrategy(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         self._await_nodes(grid, self.fraction_evaluate)
-        return self._with_posterior(list(super().configure_evaluate(server_round + self._offset, arrays,
-                                                                    config, grid)))  # fmt: skip
+        messages = list(super().configure_evaluate(server_round + self._offset, arrays, config, grid))
+        self._sent["evaluate"] = [m.metadata.dst_node_id for m in messages]
+        return self._with_posterior(messages)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """``evaluate_metrics_aggr_fn`` over the usable replies (unusable ones skipped and logged)."""
-        accepted, dropped = screen(replies, self.weighted_by_key, known=self.names)
+        accepted, dropped = screen(
+            replies, self.weighted_by_key, known=self.names, sent=self._sent["evaluate"]
+        )
         for name, reason in dropped.items():
             log(WARNING, "aggregate_evaluate: dropped the reply of %s: %s", name, reason)
         if not accepted:
