@@ -57,7 +57,7 @@ reports = $(if $(REPORTS),$(REPORTS)/$(1),experiments/$(1)/reports)
 # Nguyen et al.'s experiments (Table 1 synthetic + Figure 1 variants, one-round adversaries).
 # Every config runs; the target fails at the end when a run failed or was refused (arfl likewise).
 IVAR_ICOV = synthetic synthetic_participation synthetic_batch synthetic_adversaries one_round_digits one_round_fashion
-ivar-icov: $(STAMP)
+ivar-icov: $(STAMP) fashion-mnist
 	@failed=; for c in $(IVAR_ICOV); do $(BIN)/fedtrust run experiments/ivar_icov/$$c.yaml --out $(RESULTS) --report-dir $(call reports,ivar_icov) || failed="$$failed $$c"; done; \
 	test -z "$$failed" || { echo "failed or refused runs in:$$failed (see the tables above)"; exit 1; }
 
@@ -80,7 +80,8 @@ fedag: $(STAMP)
 robustness: $(STAMP)
 	$(BIN)/python experiments/robustness/run.py --data digits --seeds 3 --out $(call reports,robustness)
 
-# Fashion-MNIST from Debian (needs root); experiments fall back to digits without it.
+# Fashion-MNIST from Debian (needs root): the experiments that name it refuse to run without it, saying
+# how to get it.
 fashion-mnist:
 	test -d /usr/share/datasets/fashion-mnist || (apt-get update && apt-get install -y dataset-fashion-mnist)
 

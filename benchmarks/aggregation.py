@@ -389,13 +389,19 @@ def main() -> None:
     command = "python benchmarks/aggregation.py " + " ".join(sys.argv[1:])
     previous = args.out.with_suffix(".json")
     rows = []
+    info = machine()
     if args.resume and previous.exists():
         kept = json.loads(previous.read_text())
+        differ = {k: (kept["machine"].get(k), v) for k, v in info.items() if kept["machine"].get(k) != v}
+        if differ:  # the file names one machine: rows from another would carry this one's name
+            was = ", ".join(f"{k} {a}" for k, (a, _) in differ.items())
+            now = ", ".join(f"{k} {b}" for k, (_, b) in differ.items())
+            raise SystemExit(f"{previous} was measured with {was}; this run has {now}: time every shape here "
+                             "(without --resume) or write elsewhere (--out)")  # fmt: skip
         rows, command = kept["results"], f"{kept['command']}; resumed: {command}"
         if args.replace:
             again = {(rule, n, int(d)) for rule in args.rules for n in args.n for d in args.d}
             rows = [r for r in rows if (r["rule"], r["n"], r["d"]) not in again]
-    info = machine()
 
     def on_row(row: dict) -> None:  # written after every rule: a crash loses nothing measured
         rows.append(row)

@@ -426,6 +426,29 @@ def test_the_report_marks_failed_runs_instead_of_averaging_them(tmp_path):
     assert "## Failed runs" in text and "no round could be aggregated" in text
 
 
+def test_the_report_says_which_code_computed_its_runs(tmp_path):
+    """A table read from old runs says so: the report's provenance names the runs' fedtrust source
+    hashes against this checkout's, and counts the runs of other code (or none recorded)."""
+    import json
+
+    from fedtrust.report import write_report
+    from fedtrust.sweeps.runner import source_hash
+
+    cfg = config(train__rounds=1, sweep={"seed": [0, 1]})
+    run_experiment(cfg, tmp_path, progress=False)
+    text = write_report(tmp_path / "t").read_text()
+    assert (
+        f"source {source_hash()}: 2 runs. This checkout's source: {source_hash()}; every run by this code"
+        in text
+    )
+    manifest = next((tmp_path / "t").rglob("manifest.json"))
+    old = json.loads(manifest.read_text())
+    old["versions"]["fedtrust_source"] = "0123456789abcdef"
+    manifest.write_text(json.dumps(old))
+    text = write_report(tmp_path / "t").read_text()
+    assert "source 0123456789abcdef: 1 run" in text and "1 run by other code" in text
+
+
 def test_the_report_never_averages_runs_of_different_configs(tmp_path):
     """Swept sections differing only in an option are two columns named by it; a leftover run of another
     config in the same folder is a column of its own; classification and regression runs get a table

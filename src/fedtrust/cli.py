@@ -172,6 +172,14 @@ def report(
     except OSError as exc:  # a report folder that cannot be written
         raise _fail(f"the report could not be written: {exc}", 1) from None
     typer.echo(f"wrote {path}")
+    from fedtrust.sweeps.runner import source_hash
+
+    other = sum(
+        (r.manifest.get("versions") or {}).get("fedtrust_source") != source_hash() for r in runs if r.manifest
+    )
+    if other:
+        typer.echo(f"note: {other} of {len(runs)} runs were computed by other fedtrust code, or record none "
+                   f"(the report's provenance section lists them)", err=True)  # fmt: skip
     left_out = [r for r in runs if r.status != "finished"]
     for r in left_out:
         typer.echo(f"{r.status}: {r.directory}: {r.reason}", err=True)

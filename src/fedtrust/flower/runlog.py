@@ -76,6 +76,9 @@ class RunDirectory:
         manifest = self.store.manifest() if records else None
         if manifest is None:
             manifest = {"experiment": "flower", "run": self.store.dir.name, "started": now()}
+        from fedtrust.sweeps.runner import versions  # (the code that computes these rounds, for the report)
+
+        manifest["versions"] = versions()
         self.store.write_rounds(records)
         config = {**self.config, "train": {"mode": "params", "rounds": rounds}}
         self.store.write_manifest({**manifest, "status": "running", "config": config})

@@ -141,7 +141,7 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
     done = [r for r in runs if r.status == "finished"]
     # runs on data of different kinds (accuracy, RMSE) get a table and figures of their own
     metrics = list(dict.fromkeys(r.metric for r in runs if r.manifest)) or ["accuracy"]
-    lines = [*_tables(directory.name, runs, metrics), *_problems(runs, done)]
+    lines = [*_tables(directory.name, runs, metrics), *provenance(runs), *_problems(runs, done)]
     for metric in metrics:
         mine = [r for r in done if r.metric == metric]
         lines += _figures(mine, metric, out, suffix="" if len(metrics) == 1 else f"_{metric}")
@@ -149,6 +149,28 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def provenance(runs: list[Run]) -> list[str]:
+    """What computed the runs: their fedtrust versions and source hashes (``fedtrust_source``, of every
+    source file), against this checkout's, so a table read from old runs says it is old."""
+    from fedtrust.sweeps.runner import source_hash
+
+    made = Counter(
+        (v.get("fedtrust", "?"), v.get("fedtrust_source"))
+        for v in ((r.manifest.get("versions") or {}) for r in runs if r.manifest)
+    )
+    current = source_hash()
+    parts = [f"fedtrust {version}, source {source or 'not recorded'}: {count} run{'s' * (count != 1)}"
+             for (version, source), count in sorted(made.items(), key=lambda kv: -kv[1])]  # fmt: skip
+    other = sum(count for (_, source), count in made.items() if source != current)
+    verdict = (
+        "every run by this code"
+        if not other
+        else f"{other} run{'s' * (other != 1)} by other code (or code not recorded): their numbers are "
+        "that code's, not necessarily this one's"
+    )
+    return ["## Provenance", "", f"{'; '.join(parts)}. This checkout's source: {current}; {verdict}.", ""]
 
 
 def _tables(name: str, runs: list[Run], metrics: list[str]) -> list[str]:
