@@ -34,6 +34,11 @@ def test_the_run_directory_is_a_run_the_report_reads(tmp_path):
     assert found.mean_auroc() == 1.0 and found.corrupted_weight() < 0.05
     report = write_report(tmp_path, tmp_path / "report", load_runs(tmp_path)).read_text()
     assert "ivar_vb" in report and "1.00" in report
+    # a second run directory of the same settings is a run of its own, in a column named by its folder
+    again = TrustStrategy(rule="ivar_vb", run_dir=tmp_path / "again", corrupted=["partition-2"], **QUIET)
+    again.start(grid=grid, initial_arrays=initial(), num_rounds=2, evaluate_fn=evaluate)
+    report = write_report(tmp_path, tmp_path / "report", load_runs(tmp_path)).read_text()
+    assert "| rule | flower: again | flower: run |" in report and "| ivar_vb | 0.700 | 0.800 |" in report
 
 
 def test_a_restarted_superlink_goes_on_from_the_checkpoint(tmp_path):

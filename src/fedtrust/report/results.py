@@ -65,13 +65,18 @@ class Run:
                 value = spec(value, self.shown.get(path, ()))
             parts.append(f"{path.removesuffix('.name')}={value}")
         label = ", ".join(parts) or self.manifest.get("experiment", "run")
+        if self.manifest.get("experiment") == "flower":  # each Flower run directory is a run of its own
+            label = f"flower: {self.manifest.get('run', self.directory.name)}"
         return f"{label} [{self.tag}]" if self.tag else label
 
     @property
     def identity(self) -> str:
         """The run's config without the rule and the seeds: runs sharing it are replicates of one
-        setting, and only they are averaged together."""
+        setting, and only they are averaged together (a Flower run directory is one run, never a seed of
+        another's)."""
         config = {k: v for k, v in (self.manifest.get("config") or {}).items() if k not in ("rule", "name")}
+        if self.manifest.get("experiment") == "flower":  # never averaged with another run directory
+            config["run"] = str(self.directory)
         return json.dumps(_without_seeds(config), sort_keys=True, default=str)
 
     @property
