@@ -194,13 +194,15 @@ def test_an_estimators_iterations_read_nothing_from_the_device(method, sources):
                                                                                dtype=torch.float64)  # fmt: skip
     x[:, : sources // 3] *= 3
     fit = getattr(inference, method)
-    reads = {}
+    reads, iterations = {}, {}
     for max_iter in (2, 12):
         with elsewhere() as host:
             res = fit(to_elsewhere(x), max_iter=max_iter)
-        assert res.iterations == max_iter and isinstance(res.consensus, Elsewhere)
-        passes = max_iter if method == "ivar_mle" and sources >= 12 else 0
+        assert isinstance(res.consensus, Elsewhere)
+        iterations[max_iter] = res.iterations
+        passes = res.iterations if method == "ivar_mle" and sources >= 12 else 0
         reads[max_iter] = (host.syncs, host.transfers - passes)
+    assert iterations[2] == 2 < iterations[12]  # (ICOV-MLE's fit may settle before 12)
     assert reads[2] == reads[12]
 
 

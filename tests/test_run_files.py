@@ -307,7 +307,10 @@ def test_a_run_computed_by_other_code_of_the_same_version_is_computed_again(tmp_
     interrupted = RunStore(tmp_path / "t" / "seed=1")
     interrupted.update_manifest(status="running")
     assert [o.status for o in run_experiment(cfg, tmp_path, progress=False)] == ["skipped", "finished"]
+    import fedtrust.sim.store as store
+
     monkeypatch.setattr(runner, "source_hash", lambda: "edited")
+    monkeypatch.setattr(store, "source_hash", lambda: "edited")  # (what manifests record)
     with pytest.warns(StaleRunsWarning, match=r"2 run\(s\) .* were computed by other fedtrust code"):
         outcomes = run_experiment(cfg, tmp_path, progress=False)
     assert [o.status for o in outcomes] == ["finished", "finished"]

@@ -172,7 +172,7 @@ def report(
     except OSError as exc:  # a report folder that cannot be written
         raise _fail(f"the report could not be written: {exc}", 1) from None
     typer.echo(f"wrote {path}")
-    from fedtrust.sweeps.runner import source_hash
+    from fedtrust.sim.store import source_hash
 
     other = sum(
         (r.manifest.get("versions") or {}).get("fedtrust_source") != source_hash() for r in runs if r.manifest

@@ -76,7 +76,7 @@ class RunDirectory:
         manifest = self.store.manifest() if records else None
         if manifest is None:
             manifest = {"experiment": "flower", "run": self.store.dir.name, "started": now()}
-        from fedtrust.sweeps.runner import versions  # (the code that computes these rounds, for the report)
+        from fedtrust.sim.store import versions  # (the code that computes these rounds, for the report)
 
         manifest["versions"] = versions()
         self.store.write_rounds(records)

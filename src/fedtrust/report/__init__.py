@@ -154,7 +154,7 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
 def provenance(runs: list[Run]) -> list[str]:
     """What computed the runs: their fedtrust versions and source hashes (``fedtrust_source``, of every
     source file), against this checkout's, so a table read from old runs says it is old."""
-    from fedtrust.sweeps.runner import source_hash
+    from fedtrust.sim.store import source_hash
 
     made = Counter(
         (v.get("fedtrust", "?"), v.get("fedtrust_source"))

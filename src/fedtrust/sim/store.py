@@ -13,8 +13,11 @@ fault and the remedy.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
+import platform
 import socket
 import sys
 import time
@@ -23,10 +26,36 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
+import fedtrust
 from fedtrust.checkpoint import CorruptFileError, atomic_write, load_state, save_state
 
 #: What a user can do about a run whose files cannot be trusted.
 START_OVER = "run `fedtrust run` again with --force to start this run over, or write to another --out"
+
+
+@functools.cache
+def source_hash() -> str:
+    """A hash of fedtrust's source files (``*.py``, ``*.c``): a result on disk is reused, or a run
+    resumed, only by the code that computed it, whatever the version number says."""
+    root = Path(fedtrust.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")) + sorted(root.rglob("*.c")):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def versions() -> dict[str, str]:
+    return {
+        "fedtrust": fedtrust.__version__,
+        "fedtrust_source": source_hash(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
 
 
 class RecoveryWarning(UserWarning):

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
-import platform
 import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 import fedtrust
@@ -31,7 +28,7 @@ from fedtrust.sim.evaluation import default_evaluation
 from fedtrust.sim.federation import build_federation
 from fedtrust.sim.loop import Lie, Simulation
 from fedtrust.sim.settings import resolve_device
-from fedtrust.sim.store import RunLocked, RunStore
+from fedtrust.sim.store import RunLocked, RunStore, source_hash, versions
 from fedtrust.sweeps.config import ExperimentConfig, expand, shell_safe
 
 
@@ -54,28 +51,6 @@ class ConfigChanged(ValueError):
 class StaleRunsWarning(UserWarning):
     """Runs on disk were computed by other fedtrust code (the same version and config, another source):
     they are computed again, not skipped or resumed."""
-
-
-@functools.cache
-def source_hash() -> str:
-    """A hash of fedtrust's source files (``*.py``, ``*.c``): a result on disk is reused, or a run
-    resumed, only by the code that computed it, whatever the version number says."""
-    root = Path(fedtrust.__file__).parent
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")) + sorted(root.rglob("*.c")):
-        h.update(path.relative_to(root).as_posix().encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def versions() -> dict[str, str]:
-    return {
-        "fedtrust": fedtrust.__version__,
-        "fedtrust_source": source_hash(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-    }
 
 
 class _DatasetCache:
