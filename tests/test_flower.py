@@ -129,6 +129,17 @@ def test_a_nodes_second_reply_in_a_round_is_dropped_with_a_reason():
         )
 
 
+def test_a_quarantined_node_is_recorded_under_the_name_its_trust_is():
+    """A round's record keys its quarantined nodes as it keys their trust, by the names nodes give (or
+    their ids when they give none): a crashed device named ward-2 is quarantined under "ward-2"."""
+    grid = federation(bad={2: {"node-name": "ward-2", "fedtrust-attack": "crash"}})
+    strategy = TrustStrategy(rule="median", fraction_evaluate=0.0, min_available_nodes=4)
+    run(strategy, grid, rounds=1)
+    record = strategy.history[-1]
+    assert "ward-2" in record["clients"] and list(record["quarantined"]) == ["ward-2"]
+    assert "non-finite" in record["quarantined"]["ward-2"]
+
+
 def test_a_reply_in_another_float_layout_is_read_and_one_that_is_not_floats_is_dropped():
     """Arrays are matched by name and read in either byte order; integers, complex numbers and extended
     precision in a float entry would be truncated by a cast, so the reply goes, and the round goes on."""

@@ -389,8 +389,10 @@ class TrustStrategy(FedAvg):
         )
         step = server_step(self.rule, round_, self.global_vector, lambda delta: self.global_vector + delta)
         corrupted = [name in self.corrupted for name in names]
+        by_name = {str(self._key(r)): name for r, name in zip(accepted, names, strict=True)}
+        quarantined = {by_name.get(str(k), str(k)): reason for k, reason in step.quarantined.items()}
         record.update(num_samples=counts, corrupted=corrupted, weights=step.weights,
-                      train_loss=metrics.get("train_loss"), quarantined=step.quarantined, info=step.info,
+                      train_loss=metrics.get("train_loss"), quarantined=quarantined, info=step.info,
                       auroc=None if step.error else detection_auroc(step.weights, corrupted))  # fmt: skip
         if not step.applied:
             return self._keep(record, step.error)
