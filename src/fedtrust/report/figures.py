@@ -186,13 +186,19 @@ def trust_heatmaps(runs: list[Run], path: Path, title: str = "") -> Path:
             first.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         for ax in axes[:, 0]:
             ax.set_ylabel("client")
+        width, tall = fig.get_size_inches()
+        chars = int(13 * width)  # what a line of the figure's width holds
+        label = wrap(
+            "weight ÷ an equal share of the round (1 = 1/n; grey: not sampled or round refused)", chars
+        )
         if image is not None:
-            label = "weight ÷ an equal share of the round (1 = 1/n; grey: not sampled or round refused)"
             fig.colorbar(image, ax=axes, location="bottom", extend="max", shrink=0.5, aspect=40, label=label)
         head = f"{title}: trust over rounds" if title else "Trust over rounds"
         if bad:
             head += f"; the {bad} corrupted clients on top (red bar)"
-        fig.suptitle(wrap(head, 110))
+        head = wrap(head, min(110, chars))
+        fig.set_size_inches(width, tall + 0.2 * (head.count("\n") + label.count("\n")))  # room for the lines
+        fig.suptitle(head)
         return save(fig, path)
 
 
