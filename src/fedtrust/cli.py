@@ -160,7 +160,7 @@ def report(
     """Markdown tables (final metric, detection AUROC, weight on corrupted) and PNG plots of runs on disk.
     Failed, unfinished and unreadable runs are listed, never averaged in; unreadable ones (damaged files)
     make the exit status non-zero."""
-    from fedtrust.report import load_runs, write_report
+    from fedtrust.report import load_runs, other_code, write_report
 
     if out is not None and out.exists() and not out.is_dir():
         raise _fail(f"--out {out} is a file; give a folder for the report")
@@ -172,11 +172,7 @@ def report(
     except OSError as exc:  # a report folder that cannot be written
         raise _fail(f"the report could not be written: {exc}", 1) from None
     typer.echo(f"wrote {path}")
-    from fedtrust.sim.store import source_hash
-
-    other = sum(
-        (r.manifest.get("versions") or {}).get("fedtrust_source") != source_hash() for r in runs if r.manifest
-    )
+    other = other_code(runs)
     if other:
         typer.echo(f"note: {other} of {len(runs)} runs were computed by other fedtrust code, or record none "
                    f"(the report's provenance section lists them)", err=True)  # fmt: skip

@@ -22,7 +22,7 @@ from typing import Any
 from flwr.supercore import log
 
 from fedtrust.checkpoint import CorruptFileError
-from fedtrust.sim.store import RunStore, now
+from fedtrust.sim.store import RunStore, now, versions
 
 REMEDY = "give the strategy another run_dir, or delete this one to start over"
 
@@ -76,9 +76,7 @@ class RunDirectory:
         manifest = self.store.manifest() if records else None
         if manifest is None:
             manifest = {"experiment": "flower", "run": self.store.dir.name, "started": now()}
-        from fedtrust.sim.store import versions  # (the code that computes these rounds, for the report)
-
-        manifest["versions"] = versions()
+        manifest["versions"] = versions()  # the code that computes these rounds, for the report
         self.store.write_rounds(records)
         config = {**self.config, "train": {"mode": "params", "rounds": rounds}}
         self.store.write_manifest({**manifest, "status": "running", "config": config})

@@ -8,8 +8,9 @@ from pathlib import Path
 from fedtrust.report.figures import calibration, metric_curves, sweep_curves, trust_heatmaps
 from fedtrust.report.results import Cell, Run, is_replicate, load_runs, table
 from fedtrust.report.style import slug
+from fedtrust.sim.store import source_hash
 
-__all__ = ["Run", "load_runs", "write_report"]
+__all__ = ["Run", "load_runs", "other_code", "write_report"]
 
 
 def _cell(cell: Cell | None) -> str:
@@ -151,26 +152,35 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
     return path
 
 
+def other_code(runs: list[Run]) -> int:
+    """How many of the runs other fedtrust code computed (another source hash), or record none."""
+    return sum(
+        (r.manifest.get("versions") or {}).get("fedtrust_source") != source_hash() for r in runs if r.manifest
+    )
+
+
 def provenance(runs: list[Run]) -> list[str]:
     """What computed the runs: their fedtrust versions and source hashes (``fedtrust_source``, of every
     source file), against this checkout's, so a table read from old runs says it is old."""
-    from fedtrust.sim.store import source_hash
-
     made = Counter(
         (v.get("fedtrust", "?"), v.get("fedtrust_source"))
         for v in ((r.manifest.get("versions") or {}) for r in runs if r.manifest)
     )
-    current = source_hash()
     parts = [f"fedtrust {version}, source {source or 'not recorded'}: {count} run{'s' * (count != 1)}"
              for (version, source), count in sorted(made.items(), key=lambda kv: -kv[1])]  # fmt: skip
-    other = sum(count for (_, source), count in made.items() if source != current)
+    other = other_code(runs)
     verdict = (
         "every run by this code"
         if not other
         else f"{other} run{'s' * (other != 1)} by other code (or code not recorded): their numbers are "
         "that code's, not necessarily this one's"
     )
-    return ["## Provenance", "", f"{'; '.join(parts)}. This checkout's source: {current}; {verdict}.", ""]
+    return [
+        "## Provenance",
+        "",
+        f"{'; '.join(parts)}. This checkout's source: {source_hash()}; {verdict}.",
+        "",
+    ]
 
 
 def _tables(name: str, runs: list[Run], metrics: list[str]) -> list[str]:

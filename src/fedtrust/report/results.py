@@ -65,9 +65,14 @@ class Run:
                 value = spec(value, self.shown.get(path, ()))
             parts.append(f"{path.removesuffix('.name')}={value}")
         label = ", ".join(parts) or self.manifest.get("experiment", "run")
-        if self.manifest.get("experiment") == "flower":  # each Flower run directory is a run of its own
+        if self.own_run:
             label = f"flower: {self.manifest.get('run', self.directory.name)}"
         return f"{label} [{self.tag}]" if self.tag else label
+
+    @property
+    def own_run(self) -> bool:
+        """A Flower run directory: a run of its own, never a replicate of another directory's."""
+        return self.manifest.get("experiment") == "flower"
 
     @property
     def identity(self) -> str:
@@ -75,7 +80,7 @@ class Run:
         setting, and only they are averaged together (a Flower run directory is one run, never a seed of
         another's)."""
         config = {k: v for k, v in (self.manifest.get("config") or {}).items() if k not in ("rule", "name")}
-        if self.manifest.get("experiment") == "flower":  # never averaged with another run directory
+        if self.own_run:
             config["run"] = str(self.directory)
         return json.dumps(_without_seeds(config), sort_keys=True, default=str)
 
