@@ -100,6 +100,54 @@ def test_a_node_the_superlink_cannot_reach_is_named_in_the_drops():
     assert len(record["clients"]) == 3
 
 
+def test_the_report_names_the_nodes_each_round_left_out_and_why(tmp_path):
+    """An operator reading the report sees which node was left out of which rounds and why: a crashed
+    device named ward-2, quarantined in every round, and node 103 (partition-3), unreachable in round 2 only."""
+
+    class Unreachable(InProcessGrid):
+        def send_and_receive(self, messages, timeout=None):
+            def cut(m):
+                return m.metadata.dst_node_id == 103 and m.content["config"].get("server-round") == 2
+
+            replies = list(super().send_and_receive([m for m in messages if not cut(m)], timeout))
+            for m in messages:
+                if cut(m):
+                    replies.append(Message(Error(code=0, reason="Error: Node Unavailable"), reply_to=m))
+            return replies
+
+    grid = federation(bad={2: {"node-name": "ward-2", "fedtrust-attack": "crash"}})
+    run(TrustStrategy(rule="median", run_dir=tmp_path / "run", **QUIET), Unreachable(grid.nodes), rounds=3)
+    report = write_report(tmp_path, tmp_path / "report", load_runs(tmp_path)).read_text()
+    section = report.split("## Clients left out of rounds")[1].split("\n## ")[0]
+    assert "- run (3 rounds):" in section
+    assert "  - ward-2: quarantined in rounds 1-3: update has non-finite entries" in section
+    assert (
+        "  - partition-3: dropped in round 2: the client reported an error: Error: Node Unavailable"
+        in section
+    )
+
+
+def test_a_run_the_serverapp_stopped_says_when_and_why_and_resumes(tmp_path):
+    """The SuperLink stops the ServerApp in round 2 (an interrupt): the run directory stays unfinished,
+    says after which round and why, and a resubmission finishes it."""
+
+    class Stopped(InProcessGrid):
+        def send_and_receive(self, messages, timeout=None):
+            if any(m.content["config"].get("server-round") == 2 for m in messages):
+                raise KeyboardInterrupt
+            return super().send_and_receive(messages, timeout)
+
+    with pytest.raises(KeyboardInterrupt):
+        run(TrustStrategy(rule="median", run_dir=tmp_path / "run", **QUIET), Stopped(federation().nodes))
+    (stopped,) = load_runs(tmp_path)
+    assert stopped.status == "running" and stopped.reason.endswith("after round 1 of 3: KeyboardInterrupt")
+    report = write_report(tmp_path, tmp_path / "report", [stopped]).read_text()
+    assert "## Unfinished runs" in report and "1 round so far; stopped " in report
+    run(TrustStrategy(rule="median", run_dir=tmp_path / "run", **QUIET), federation())
+    (done,) = load_runs(tmp_path)
+    assert done.status == "finished" and "interrupted" not in done.manifest
+
+
 def test_a_checkpoint_cannot_run_code_and_a_damaged_one_is_named(tmp_path):
     class Planted:
         def __reduce__(self):

@@ -224,6 +224,20 @@ def test_a_finished_run_with_damaged_round_records_is_redone_not_skipped(tmp_pat
     assert len(store.rounds()) == 5 and store.is_finished()
 
 
+def test_an_interrupted_run_says_when_and_why_it_stopped_until_it_resumes(tmp_path):
+    """A run stopped mid-way stays unfinished and resumable; its manifest and the report say after which
+    round and why it stopped, and its resumption finishes it without that note."""
+    from fedtrust.report import load_runs
+
+    store = crashed_run(tmp_path, config(), at=3)
+    manifest = store.manifest()
+    assert manifest["status"] == "running" and manifest["interrupted"].endswith("after round 3 of 5: Crash")
+    (run,) = load_runs(tmp_path)
+    assert run.reason.startswith("3 rounds so far; stopped ") and run.reason.endswith("of 5: Crash")
+    build_simulation(config()).run(store)
+    assert store.manifest()["status"] == "finished" and "interrupted" not in store.manifest()
+
+
 def test_a_line_cut_short_by_a_crash_is_redone(tmp_path, whole):
     store = crashed_run(tmp_path, config(), at=3)
     with open(store.rounds_path, "ab") as fh:
@@ -427,6 +441,24 @@ def test_the_report_marks_failed_runs_instead_of_averaging_them(tmp_path):
     text = write_report(tmp_path / "t").read_text()
     assert "| krum(f=0.45) | failed |" in text
     assert "## Failed runs" in text and "no round could be aggregated" in text
+
+
+def test_the_report_lists_the_clients_left_out_of_rounds_and_sums_up_many(tmp_path):
+    """Crashed devices are quarantined round after round: the report names each with its rounds and
+    reason, and a run that left out more clients than it lists is summed up in one line."""
+    from fedtrust.report import LISTED_CLIENTS, write_report
+
+    for crashed in (2, LISTED_CLIENTS + 2):
+        cfg = config(name=f"c{crashed}", data__clients=20, train__rounds=3, train__fraction=1.0,
+                     corruption={"name": "crash", "fraction": crashed / 20})  # fmt: skip
+        run_experiment(cfg, tmp_path, progress=False)
+    few = write_report(tmp_path / "c2").read_text().split("## Clients left out of rounds")[1]
+    listed = [line for line in few.splitlines() if line.startswith("  - ")]
+    assert len(listed) == 2, few
+    assert all(": quarantined in rounds 1-3: update has non-finite entries" in line for line in listed)
+    many = write_report(tmp_path / f"c{LISTED_CLIENTS + 2}").read_text()
+    assert (f": {LISTED_CLIENTS + 2} clients quarantined in {3 * (LISTED_CLIENTS + 2)} client-rounds (rounds "
+            "1-3); the first reason: update has non-finite entries") in many  # fmt: skip
 
 
 def test_the_report_says_which_code_computed_its_runs(tmp_path):

@@ -1,6 +1,7 @@
 """A Flower strategy's run directory, in the simulator's layout, so that ``fedtrust report`` reads it.
 
-    manifest.json           the rule and strategy options, status (running, finished), final metrics
+    manifest.json           the rule and strategy options, status (running: unfinished, with when and why
+                            it stopped if the ServerApp raised; finished; failed), final metrics
     rounds.jsonl            one JSON record per finished round: trust per node (by name and node id),
                             drops with reasons, quarantines, the round's metrics, the rule's diagnostics
     checkpoint.safetensors  the global model, the rule's state, the node names, after the newest round
@@ -22,7 +23,7 @@ from typing import Any
 from flwr.supercore import log
 
 from fedtrust.checkpoint import CorruptFileError
-from fedtrust.sim.store import RunStore, now, versions
+from fedtrust.sim.store import RunStore, interruption, now, versions
 
 REMEDY = "give the strategy another run_dir, or delete this one to start over"
 
@@ -79,12 +80,22 @@ class RunDirectory:
         manifest["versions"] = versions()  # the code that computes these rounds, for the report
         self.store.write_rounds(records)
         config = {**self.config, "train": {"mode": "params", "rounds": rounds}}
+        manifest.pop("interrupted", None)
         self.store.write_manifest({**manifest, "status": "running", "config": config})
 
     def commit(self, record: dict[str, Any], checkpoint: dict[str, Any]) -> None:
         """The round's record, then the checkpoint after it (a crash between them redoes the round)."""
         self.store.append_round(record)
         self.store.save_checkpoint(checkpoint)
+
+    def interrupt(self, records: list[dict[str, Any]], rounds: int, error: BaseException) -> None:
+        """The run stopped before its last round (the ServerApp raised, was interrupted): it stays
+        unfinished, resumable from its checkpoint, and says when and why it stopped."""
+        self.store.update_manifest(
+            status="running",
+            interrupted=interruption(len(records), rounds, error),
+            seconds=(self.store.manifest() or {}).get("seconds", 0.0) + time.perf_counter() - self.began,
+        )
 
     def finish(self, records: list[dict[str, Any]], rounds: int) -> None:
         metrics = next((r["metrics"] for r in reversed(records) if r.get("metrics")), None)

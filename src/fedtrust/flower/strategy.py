@@ -216,8 +216,13 @@ class TrustStrategy(FedAvg):
                         num_rounds, len(done) + 1)  # fmt: skip
                 self.run.start(num_rounds, done)
             self.history, self._offset = list(done), len(done)
-            result = super().start(grid, initial_arrays, num_rounds - len(done), timeout, train_config,
-                                   evaluate_config, self._end_of_round(evaluate_fn))  # fmt: skip
+            try:
+                result = super().start(grid, initial_arrays, num_rounds - len(done), timeout, train_config,
+                                       evaluate_config, self._end_of_round(evaluate_fn))  # fmt: skip
+            except BaseException as error:  # noqa: BLE001 - recorded, then raised again
+                if self.run is not None:
+                    self.run.interrupt(self.history, num_rounds, error)
+                raise
             if self.run is not None:
                 self.run.finish(self.history, num_rounds)
         return self._whole(result, initial_arrays, done)

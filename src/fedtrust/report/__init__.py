@@ -103,6 +103,58 @@ def _unconverged(runs: list[Run]) -> list[str]:
     return lines + [""]
 
 
+#: A run that left out more clients than this is summed up in one line instead of one line per client.
+LISTED_CLIENTS = 8
+
+
+def _spans(rounds: list[int]) -> str:
+    """Round numbers as runs of consecutive ones: ``3-7, 9``."""
+    spans: list[list[int]] = []
+    for t in sorted(set(rounds)):
+        if spans and t == spans[-1][1] + 1:
+            spans[-1][1] = t
+        else:
+            spans.append([t, t])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
+def _left_out(runs: list[Run]) -> list[str]:
+    """A section listing, per run, the clients its rounds left out (quarantined by the rule, or dropped
+    by a Flower strategy before it) with the rounds and the reasons; nothing when no round left one out."""
+    lines = []
+    for r in runs:
+        left = r.left_out()
+        if not left:
+            continue
+        name = f"{r.directory.name} ({len(r.rounds)} rounds)"
+        if len(left) > LISTED_CLIENTS:
+            for action in ("quarantined", "dropped"):
+                mine = {client: v for (client, what), v in left.items() if what == action}
+                if mine:
+                    rounds = [t for ts, _ in mine.values() for t in ts]
+                    lines.append(
+                        f"- {name}: {len(mine)} clients {action} in {len(rounds)} client-rounds (rounds "
+                        f"{_spans(rounds)}); the first reason: {next(iter(mine.values()))[1][0]}"
+                    )
+            continue
+        lines.append(f"- {name}:")
+        for (client, action), (rounds, reasons) in left.items():
+            more = f" (and {len(reasons) - 1} other reasons)" if len(reasons) > 1 else ""
+            plural = "s" * (len(rounds) > 1)
+            lines.append(f"  - {client}: {action} in round{plural} {_spans(rounds)}: {reasons[0]}{more}")
+    if not lines:
+        return []
+    head = [
+        "## Clients left out of rounds",
+        "",
+        "A round aggregates without a client whose update is malformed (the rule quarantines it: "
+        "`quarantined` in the run's rounds.jsonl, with the reason) and, on a Flower federation, without a "
+        "reply the strategy cannot read (`dropped`). Their weight is 0 in that round.",
+        "",
+    ]
+    return head + lines + [""]
+
+
 def _shared_votes(runs: list[Run]) -> list[str]:
     """A section listing the runs in which groups of near-identical updates shared one vote, or rounds
     were degenerate (with the first reason); nothing when there are none."""
@@ -216,6 +268,7 @@ def _tables(name: str, runs: list[Run], metrics: list[str]) -> list[str]:
         "",
         *unconverged,
         *_shared_votes(runs),
+        *_left_out(runs),
     ]
 
 
@@ -224,7 +277,7 @@ def _problems(runs: list[Run], done: list[Run]) -> list[str]:
     runs with rounds skipped because the rule raised."""
     why = {
         "failed": lambda r: r.manifest.get("error"),
-        "running": lambda r: f"{len(r.rounds)} rounds so far",
+        "running": lambda r: r.reason,
         "unreadable": lambda r: r.problem,
     }
     lines = []

@@ -36,7 +36,11 @@ class Run:
     @property
     def reason(self) -> str:
         """Why a run is not counted: its error, its file problem, or how far it got."""
-        return self.problem or self.manifest.get("error") or f"{len(self.rounds)} rounds so far"
+        if self.problem or self.manifest.get("error"):
+            return self.problem or self.manifest["error"]
+        stopped = self.manifest.get("interrupted")
+        done = len(self.rounds)
+        return f"{done} round{'s' * (done != 1)} so far" + (f"; stopped {stopped}" if stopped else "")
 
     @property
     def seed(self) -> int:
@@ -149,6 +153,21 @@ class Run:
             if (r.get("info") or {}).get("groups")
         ]
         return len(sizes), max(sizes, default=0)
+
+    def left_out(self) -> dict[tuple[str, str], tuple[list[int], list[str]]]:
+        """(client, ``quarantined`` or ``dropped``) -> (the rounds, their distinct reasons in order): the
+        clients a round left out of its aggregate. A rule quarantines a malformed update (``quarantined``
+        in each round's record); a Flower strategy also drops a reply it cannot read before the rule sees
+        it (``dropped``)."""
+        out: dict[tuple[str, str], tuple[list[int], list[str]]] = {}
+        for r in self.rounds:
+            for action in ("quarantined", "dropped"):
+                for client, reason in (r.get(action) or {}).items():
+                    rounds, reasons = out.setdefault((str(client), action), ([], []))
+                    rounds.append(r["round"])
+                    if str(reason) not in reasons:
+                        reasons.append(str(reason))
+        return out
 
     def degenerate(self) -> list[str]:
         """The reasons recorded by rounds a rule found degenerate (``info["degenerate"]``: all updates

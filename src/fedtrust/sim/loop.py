@@ -21,7 +21,7 @@ from fedtrust.sim.detection import detection_auroc
 from fedtrust.sim.evaluation import Evaluation, default_evaluation
 from fedtrust.sim.federation import Federation
 from fedtrust.sim.settings import TrainSettings, resolve_device
-from fedtrust.sim.store import RecoveryWarning, RunStore, now
+from fedtrust.sim.store import RecoveryWarning, RunStore, interruption, now
 from fedtrust.sim.training import local_sgd, mean_loss, minibatch_gradient
 
 
@@ -285,7 +285,8 @@ class Simulation:
             finished = store.finished_rounds(self.rounds)
             if finished is not None:
                 return finished
-            stored = {k: v for k, v in (store.manifest() or {}).items() if k not in ("error", "traceback")}
+            stale = ("error", "traceback", "interrupted")
+            stored = {k: v for k, v in (store.manifest() or {}).items() if k not in stale}
             records, problem = store.read_rounds()
             records, notes = self._resume(store, records, [problem] if problem else [])
             first = len(records) + 1
@@ -298,6 +299,29 @@ class Simulation:
         spent = stored.get("seconds") or 0.0  # earlier sessions', up to their last checkpoint
         if first == 1 and hasattr(self.rule, "observe"):
             self.initial_report()
+        try:
+            self._rounds(first, records, store, spent, began, on_round)
+        except BaseException as error:  # noqa: BLE001 - said in the manifest, then raised again
+            if store is not None:
+                store.update_manifest(interrupted=interruption(len(records), self.rounds, error))
+            raise
+        if self.failure is None and not any(r["error"] is None for r in records):
+            self.failure = f"no round could be aggregated: all {len(records)} failed ({records[0]['error']})"
+        if store is not None:
+            store.update_manifest(
+                status="failed" if self.failure else "finished",
+                error=self.failure,
+                finished=now(),
+                final=final_metrics(records),
+                not_aggregated=sum(r["error"] is not None for r in records),
+                seconds=spent + time.perf_counter() - began,
+            )
+        return records
+
+    def _rounds(self, first: int, records: list, store: RunStore | None, spent: float, began: float,
+                on_round: Callable[[dict], None] | None) -> None:  # fmt: skip
+        """Rounds ``first``, ..., the last (or the one the model diverged in), appended to ``records`` and
+        written to ``store`` as they finish."""
         for t in range(first, self.rounds + 1):
             record = self.step(t)
             records.append(record)
@@ -316,19 +340,7 @@ class Simulation:
                 on_round(record)
             if diverged:
                 self.failure = f"the global model went non-finite in round {t} (diverged); the run stopped"
-                break
-        if self.failure is None and not any(r["error"] is None for r in records):
-            self.failure = f"no round could be aggregated: all {len(records)} failed ({records[0]['error']})"
-        if store is not None:
-            store.update_manifest(
-                status="failed" if self.failure else "finished",
-                error=self.failure,
-                finished=now(),
-                final=final_metrics(records),
-                not_aggregated=sum(r["error"] is not None for r in records),
-                seconds=spent + time.perf_counter() - began,
-            )
-        return records
+                return
 
     def _save_predictions(self, store: RunStore) -> None:
         """The final predictive distribution on the test set, where the evaluation has one."""

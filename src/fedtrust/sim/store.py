@@ -240,3 +240,9 @@ class RunStore:
 
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def interruption(done: int, rounds: int, error: BaseException) -> str:
+    """When and why a run stopped before its last round (a manifest's ``interrupted``; the run stays
+    ``running``, resumable)."""
+    return f"{now()} after round {done} of {rounds}: {type(error).__name__}: {error}".rstrip(": ")
