@@ -290,6 +290,43 @@ def test_float64_estimates_converge_to_a_tighter_tolerance_than_float32(fn):
     torch.testing.assert_close(r32.weights, r64.weights, **dtype_tol(torch.float32, 2))
 
 
+FAR = [(torch.float64, 1e8), (torch.float64, 1e18), (torch.float32, 1e9)]
+
+
+def one_far_source(dtype, far):
+    """Five sources near 1 (noise 0.1) and a sixth with one coordinate at ``far``: (1, 6, 50)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(1, 6, 50, generator=g, dtype=torch.float64) * 0.1 + 1).to(dtype)
+    x[0, 5, 7] = far
+    return x
+
+
+@pytest.mark.parametrize("fn", [ivar_mle, ivar_vb])
+@pytest.mark.parametrize(("dtype", "far"), FAR)
+def test_a_source_far_beyond_the_others_cannot_move_the_consensus_through_a_weight_tol_calls_zero(
+    fn, dtype, far
+):
+    """One source sends a coordinate ``far`` times the others' scale. By eq 6 its precision weight falls
+    as 1 / far^2, so what it puts into the consensus, weight x distance, vanishes: the consensus stays
+    where the five others put it. A weight within the dtype's tol of 0 is not enough (1e-9 x 1e18 is
+    1e9): convergence is judged on what the weights do to the consensus (the reviewed failure: 5e11;
+    float32 stays within 0.5 up to about 1e10, where its rounding of the residuals sets the weight)."""
+    x = one_far_source(dtype, far)
+    result = fn(x)
+    honest = x[0, :5].double().mean(0)
+    assert float((result.consensus[0].double() - honest).abs().max()) < 0.5, result.consensus[0, 7]
+
+
+@pytest.mark.parametrize("name", ["ivar_mle", "ivar_vb", "icov_vb"])
+@pytest.mark.parametrize(("dtype", "far"), FAR)
+def test_a_client_with_one_absurd_coordinate_cannot_move_a_trust_rules_aggregate(name, dtype, far):
+    """The same through the rules: a weight of about 0 on the client is also what the aggregate shows."""
+    x = one_far_source(dtype, far)[0]
+    out = fedtrust.rule(name)(fedtrust.Round(updates=x))
+    assert float(out.weights[5]) < 1e-6
+    assert float((out.vector.double() - x[:5].double().mean(0)).abs().max()) < 0.5, out.vector[7]
+
+
 def test_an_explicit_tol_is_used_and_recorded():
     x = four_sources(0)
     loose = ivar_vb(x, tol=1e-3)

@@ -32,6 +32,9 @@ class Step:
     weights: torch.Tensor
     objective: float
     record: Any = None
+    #: the (J,) noise variances the weights were computed from, for their sources' distances
+    #: (:class:`~fedtrust.inference.result.WeightChanges`)
+    noise: torch.Tensor | None = None
 
 
 @dataclass
@@ -81,7 +84,7 @@ def _squarem(
         nonlocal done
         done += 1
         out = update(s)
-        changes.add(out.weights)
+        changes.add(out.weights, out.noise)
         trace.append(out.objective)
         return out
 
@@ -104,7 +107,7 @@ def _squarem(
                 done += 1
                 tried = update(candidate)
                 if bool(torch.isfinite(tried.state).all()) and tried.objective >= step1.objective:
-                    changes.add(tried.weights)  # a jump, not a plain step: judged on the next two
+                    changes.add(tried.weights, tried.noise)  # a jump, not a plain step: judged on the next
                     trace.append(tried.objective)
                     last, jumped = tried, True
         if done >= max_iter:

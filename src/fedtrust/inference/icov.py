@@ -294,7 +294,7 @@ def icov_mle(
             ll = fit.step()
             with torch.no_grad():  # the restricted likelihood does not see the loadings' centre; eq 3 does
                 a = consensus_coefficients(_phi(_centred(theta)), task_mask)
-            changes.add(a)
+            changes.add(a, theta["log_noise"].exp())
             trace.append(ll / total)
             if converged(changes, tol):
                 break
@@ -630,7 +630,8 @@ class _VbSweep:
         )
         sigma, a = icov_vb_weights(v, psi, s2, su2, self.active, self.mask)
         fields = (coef_u, v, psi, s2, sy2, su2, sv2)
-        return Step(self.state.pack(*fields), a, energy / self.n_obs, (fields, lam, phi_u, alpha, sigma, now))
+        return Step(self.state.pack(*fields), a, energy / self.n_obs, (fields, lam, phi_u, alpha, sigma, now),
+                    s2)  # fmt: skip
 
     def tasks(self, coef_u, v, psi, s2, sy2: float, su2: float):
         """q(y) (eqs 14-15) and q(U) (eqs 16-17) for every task, and the task statistics the source and

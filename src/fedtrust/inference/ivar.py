@@ -132,7 +132,7 @@ def ivar_mle(
     for it in range(1, max_iter + 1):
         weights = m / noise
         weights = weights / weights.sum(1, keepdim=True)
-        changes.add(weights)
+        changes.add(weights, noise)
         r = gram.residuals(weights, m) / k
         update = (r.sum(0) + past.total) / count.clamp_min(1)
         if floor is None:  # the first consensus (the plain mean, or the given noise's): the data's scale
@@ -294,7 +294,7 @@ def _em(m, k: int, gram, noise, tau2: float | None, past: IvarPast, max_iter: in
     flat = tau2 is None
 
     def update(state: torch.Tensor) -> Step:
-        noise = state[:-1].exp()
+        noise = used = state[:-1].exp()
         prior = 0.0 if flat else float(torch.exp(-state[-1]))
         precision = m / noise
         lam = 1.0 / (prior + precision.sum(1))  # (10)
@@ -312,7 +312,7 @@ def _em(m, k: int, gram, noise, tau2: float | None, past: IvarPast, max_iter: in
         log_tau2 = torch.tensor([0.0 if flat else math.log(tau2)], dtype=noise.dtype, device=noise.device)
         state = torch.cat([noise.log(), log_tau2])
         return Step(state, weights, energy / float(count.sum() + (0.0 if flat else tau_count)),
-                    (lam, ysq, spread, noise, tau2, weights))  # fmt: skip
+                    (lam, ysq, spread, noise, tau2, weights), used)  # fmt: skip
 
     start = torch.cat(
         [noise.log(), torch.tensor([0.0 if flat else math.log(tau2)], dtype=noise.dtype, device=noise.device)]

@@ -72,25 +72,48 @@ class InferenceResult:
 
 
 class WeightChanges(list):
-    """Per iteration from the second on, the largest absolute change of a weight since the iteration
-    before: what convergence is judged on. The weights of a task sum to ~1 (ICOV's can be negative, VB's
-    shrink), so an absolute change is meaningful whatever the estimates' scale: a change of at most c
-    moves task i's consensus by at most c sum_j ||x_ij|| (by c sum_j ||x_ij - y_i|| where the weights
-    keep summing to 1)."""
+    """Per iteration from the second on, the largest change of a weight since the iteration before,
+    scaled by how far its source is: what convergence is judged on. The weights of a task sum to ~1
+    (ICOV's can be negative, VB's shrink), so an absolute change is meaningful whatever the estimates'
+    scale: a change of c in source j's weight moves task i's consensus by c ||x_ij - y_i|| (the weights
+    keep summing to 1). A source far beyond the others moves it by far more than the same change of a
+    near one: a client that sends one coordinate of 1e18 gets a precision weight near 0 by eq 6, but a
+    weight of 1e-9 (well within float32's tol of 0) still puts 1e9 into the consensus. So a change counts
+    times the source's distance in units of the typical source's, sqrt(sigma_j^2 / sigma_med^2) from the
+    noise variances the weights were computed from (``noise``; at least 1, the upper median the unit):
+    the weights are then within ``tol`` of their fixed point in what they do to the consensus, measured
+    in typical distances, and a source no farther than the typical one counts as before."""
 
     def __init__(self) -> None:
         super().__init__()
         self._last: torch.Tensor | None = None
 
-    def add(self, weights: torch.Tensor) -> None:
-        """Record this iteration's weights (the change from the last ones, from the second call on)."""
+    def add(self, weights: torch.Tensor, noise: torch.Tensor | None = None) -> None:
+        """Record this iteration's weights (the change from the last ones, from the second call on), and
+        the (J,) noise variances they were computed from, if any, for their sources' distances."""
         if self._last is not None:
-            self.append(float((weights - self._last).abs().max()))
+            change = (weights - self._last).abs()
+            if noise is not None:
+                change = change * reach(noise).to(change)
+            self.append(float(change.max()))
         self._last = weights
 
 
+def reach(noise: torch.Tensor) -> torch.Tensor:
+    """(J,) each source's distance in units of the typical source's, sqrt(sigma_j^2 / sigma_med^2), at
+    least 1 (the upper median of the finite, positive variances the unit; all ones when there is none)."""
+    noise = noise.detach().double()
+    usable = noise[torch.isfinite(noise) & (noise > 0)]
+    if usable.numel() == 0:
+        return torch.ones_like(noise)
+    unit = usable.sort().values[usable.numel() // 2]
+    ratio = noise / unit  # a source of infinite (or undefined) noise has weight 0 and moves nothing: 1
+    return torch.where(torch.isfinite(ratio), ratio, 1.0).clamp_min(1.0).sqrt()
+
+
 def converged(changes: list[float], tol: float) -> bool:
-    """The weights are within ``tol`` (absolute) of where the iterations are heading: the last change
+    """The weights are within ``tol`` (absolute, a far source's change scaled by its distance:
+    :class:`WeightChanges`) of where the iterations are heading: the last change
     is at most ``tol``, and so is the rest of the way, c rho / (1 - rho) for a geometric tail at the
     rate rho = c_k / c_(k-1) of the last two changes. A slow iteration (rho near 1, as VB's often is)
     moves little per step yet is far from its fixed point: the last change alone would stop it early.
