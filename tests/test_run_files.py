@@ -530,6 +530,22 @@ def test_the_report_leaves_out_an_unreadable_run_and_names_its_file(tmp_path):
     assert cell.endswith("(1/2 unfinished)")  # one seed's number, and the cell says so
 
 
+@pytest.mark.parametrize(("field", "value"), [("config", 5), ("swept", []), ("status", 1), ("versions", "x")])
+def test_a_manifest_field_of_the_wrong_shape_is_named_not_met_deep_in_a_report(tmp_path, field, value):
+    """A hand-edited or damaged manifest whose config is 5 made the report raise AttributeError: now the
+    run is unreadable, named with the field, and the others are still reported."""
+    from fedtrust.report import write_report
+    from fedtrust.report.results import load_runs
+
+    run_experiment(config(train__rounds=1, sweep={"seed": [0, 1]}), tmp_path, progress=False)
+    path = tmp_path / "t" / "seed=1" / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    unreadable, finished = load_runs(tmp_path / "t")  # an unreadable run has no place in the sweep: first
+    assert (unreadable.status, finished.status) == ("unreadable", "finished")
+    assert f"{path}: {field} is {json.dumps(value)}, not a JSON " in unreadable.reason
+    assert "## Unreadable runs" in write_report(tmp_path / "t").read_text()
+
+
 def test_manifest_records_identity_and_time(tmp_path):
     outcome = run_experiment(config(train__rounds=1), tmp_path, progress=False)[0]
     manifest = json.loads((outcome.directory / "manifest.json").read_text())

@@ -66,6 +66,11 @@ class RunLocked(RuntimeError):
     """Another process is writing this run directory; the message says which."""
 
 
+#: The manifest fields every reader looks into, and what each must be (a damaged or hand-edited file with
+#: another shape is refused by name, not met as an AttributeError deep in a report).
+MANIFEST_FIELDS = {"config": dict, "swept": dict, "versions": dict, "status": str, "experiment": str}
+
+
 class RunStore:
     """A run directory. ``rounds.jsonl`` gains one line per finished round and a checkpoint is written
     every few rounds; on resume the lines after the checkpoint are dropped and redone, so no round is
@@ -137,6 +142,12 @@ class RunStore:
             ) from None
         if not isinstance(manifest, dict):
             raise CorruptFileError(f"{self.manifest_path} is not a JSON object; {START_OVER}")
+        for key, kind in MANIFEST_FIELDS.items():
+            if manifest.get(key) is not None and not isinstance(manifest[key], kind):
+                raise CorruptFileError(
+                    f"{self.manifest_path}: {key} is {json.dumps(manifest[key])[:80]}, not a JSON "
+                    f"{'object' if kind is dict else 'string'}; {START_OVER}"
+                )
         return manifest
 
     def is_finished(self) -> bool:
