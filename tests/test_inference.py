@@ -327,6 +327,17 @@ def test_a_client_with_one_absurd_coordinate_cannot_move_a_trust_rules_aggregate
     assert float((out.vector.double() - x[:5].double().mean(0)).abs().max()) < 0.5, out.vector[7]
 
 
+def test_one_client_scaled_by_a_million_does_not_refuse_an_icov_vb_round():
+    """SQUAREM's extrapolated jump can leave the model's domain (a prior variance at 0): that jump is not
+    taken, the plain step is (Varadhan and Roland's safeguard), and the round aggregates without the
+    scaled client. It raised ZeroDivisionError and refused the whole round (a hostile-input review)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 50, generator=g, dtype=torch.float64) * 0.1 + 1).float()
+    x[5] *= 1e6
+    out = fedtrust.rule("icov_vb")(fedtrust.Round(updates=x))
+    assert float(out.weights[5]) < 1e-6 and float((out.vector - 1).abs().max()) < 0.5
+
+
 def test_an_explicit_tol_is_used_and_recorded():
     x = four_sources(0)
     loose = ivar_vb(x, tol=1e-3)

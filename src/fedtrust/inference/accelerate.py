@@ -105,8 +105,15 @@ def _squarem(
             candidate = theta - 2 * alpha * r + alpha * alpha * v
             if bool(torch.isfinite(candidate).all()):
                 done += 1
-                tried = update(candidate)
-                if bool(torch.isfinite(tried.state).all()) and tried.objective >= step1.objective:
+                try:
+                    tried = update(candidate)
+                except ArithmeticError:  # the jump left the model's domain (a variance at 0): not taken
+                    tried = None
+                if (
+                    tried is not None
+                    and bool(torch.isfinite(tried.state).all())
+                    and tried.objective >= step1.objective
+                ):
                     changes.add(tried.weights, tried.noise)  # a jump, not a plain step: judged on the next
                     trace.append(tried.objective)
                     last, jumped = tried, True
