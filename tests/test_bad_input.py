@@ -397,6 +397,8 @@ def test_inference_estimators_refuse_bad_options_and_data_naming_them():
     e = torch.randn(6, 5, 3)
     big = e.clone()
     big[2, 1] = 1e30
+    huge = e.double()
+    huge[1, 3, 0] = 1e160
     for call, error, message in [
         (lambda: ivar_mle(e, max_iter=0), ValueError, r"ivar_mle: max_iter must be >= 1, got 0"),
         (lambda: ivar_vb(e, max_iter=True), TypeError, r"ivar_vb: max_iter must be an integer"),
@@ -405,7 +407,19 @@ def test_inference_estimators_refuse_bad_options_and_data_naming_them():
         (lambda: ivar_mle(e, init_noise=torch.ones(7)), ValueError, r"one variance per source \(5\), got 7"),
         (lambda: ivar_mle(e, init_noise=torch.zeros(5)), ValueError, r"init_noise\[0\] = 0.0"),
         (lambda: ivar_vb(e.to(torch.complex64)), TypeError, r"real numbers, got dtype torch.complex64"),
-        (lambda: ivar_vb(big), ValueError, r"estimates\[2, 1\] reaches 1e\+30: its square overflows"),
+        (
+            lambda: ivar_vb(big),
+            ValueError,
+            r"estimates\[2, 1\] reaches 1e\+30: its square, summed over the 6 x 5 "
+            r"estimates, overflows torch.float32 \(rescale the estimates, or give them in float64\)",
+        ),
+        # finite, and so is its norm, but not the sums of squares every estimator forms: refused, not NaN
+        (
+            lambda: ivar_vb(huge),
+            ValueError,
+            r"estimates\[1, 3\] reaches 1e\+160: its square, summed over the "
+            r"6 x 5 estimates, overflows torch.float64 \(rescale the estimates\)$",
+        ),
         (lambda: ivar_mle(e, mask=torch.full((6, 5), 0.5)), ValueError, r"mask must be bool"),
         (lambda: icov_mle(e, latent_dim=0), ValueError, r"icov_mle: latent_dim must be >= 1"),
         (lambda: icov_mle(e, steps=0), ValueError, r"icov_mle: steps must be >= 1"),

@@ -318,9 +318,13 @@ def test_a_source_far_beyond_the_others_cannot_move_the_consensus_through_a_weig
 
 
 @pytest.mark.parametrize("name", ["ivar_mle", "ivar_vb", "icov_vb"])
-@pytest.mark.parametrize(("dtype", "far"), FAR)
+@pytest.mark.parametrize(
+    ("dtype", "far"), [(torch.float64, 1e8), (torch.float64, 1e15), (torch.float32, 1e9)]
+)
 def test_a_client_with_one_absurd_coordinate_cannot_move_a_trust_rules_aggregate(name, dtype, far):
-    """The same through the rules: a weight of about 0 on the client is also what the aggregate shows."""
+    """The same through the rules: a weight of about 0 on the client is also what the aggregate shows.
+    (Residuals from Gram matrices resolve an honest residual to the dtype's eps times the far one's:
+    ICOV-VB at 1e18 in float64 ends 0.9 off on that coordinate, where it was 4.5e11.)"""
     x = one_far_source(dtype, far)[0]
     out = fedtrust.rule(name)(fedtrust.Round(updates=x))
     assert float(out.weights[5]) < 1e-6

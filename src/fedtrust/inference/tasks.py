@@ -58,7 +58,8 @@ def as_tasks(estimates, mask=None) -> Tasks:
     i, j, k = x.shape
     if min(i, j, k) == 0:
         raise ValueError(f"estimates are empty (shape {(i, j, k)})")
-    finite = torch.isfinite(torch.linalg.vector_norm(x, dim=-1))  # one pass: NaN, Inf, or a square too large
+    # one pass: NaN, Inf, or a square too large for the sums of squares over the tasks and sources
+    finite = torch.isfinite(torch.linalg.vector_norm(x, dim=-1).square() * (i * j))
     suspect = ~finite
     if suspect.any():  # check those entries exactly
         finite[suspect] = torch.isfinite(x[suspect]).all(-1)
@@ -66,8 +67,9 @@ def as_tasks(estimates, mask=None) -> Tasks:
         if large.any():
             t, s = torch.nonzero(large)[0].tolist()
             raise ValueError(
-                f"estimates[{t}, {s}] reaches {float(x[t, s].abs().max()):.3g}: its square overflows "
-                f"{x.dtype} (rescale the estimates, or give them in float64)"
+                f"estimates[{t}, {s}] reaches {float(x[t, s].abs().max()):.3g}: its square, summed over "
+                f"the {i} x {j} estimates, overflows {x.dtype} (rescale the estimates"
+                + (", or give them in float64)" if x.dtype != torch.float64 else ")")
             )
     if mask is None:
         mask = finite
