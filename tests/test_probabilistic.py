@@ -105,6 +105,36 @@ def test_scoring_rules_known_values():
     )
 
 
+def test_fedags_helpers_refuse_what_has_no_meaning_naming_it():
+    """A negative sigma scored a negative CRPS, level 1.5 a coverage of 0, zero trust a posterior of
+    variance 0, integer models a mean of 0, beta 0 a ZeroDivisionError (a hostile-input review)."""
+    models, y = torch.randn(4, 3), np.ones(3)
+    for call, error, message in [
+        (lambda: scoring_rules.crps(y, y, -y), ValueError, r"crps: sigma\[0\] = -1.0 is negative"),
+        (
+            lambda: scoring_rules.nll(y, y, np.ones(2)),
+            ValueError,
+            r"nll: y, mu and sigma must have one length",
+        ),
+        (lambda: scoring_rules.coverage(y, y, y, level=1.5), ValueError, r"coverage: level must be <= 1.0"),
+        (
+            lambda: fit_posterior(models, torch.zeros(4)),
+            ValueError,
+            r"weights must be finite, >= 0 and not all 0",
+        ),
+        (lambda: fit_posterior(models, torch.tensor([2.0, -1, 0, 0])), ValueError, r">= 0 and not all 0"),
+        (lambda: fit_posterior(models, torch.ones(3)), ValueError, r"weights must be one per model \(4\)"),
+        (lambda: fit_posterior(torch.tensor([[1, 3], [3, 5]])), TypeError, r"models must be floating point"),
+        (
+            lambda: linear_predictive(fit_posterior(models), torch.randn(2, 2), 0.0),
+            ValueError,
+            r"beta must be > 0",
+        ),
+    ]:
+        with pytest.raises(error, match=message):
+            call()
+
+
 def test_blr_is_the_conjugate_posterior():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(40, 3))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fedtrust._checks import check_float
 from fedtrust.models import FlatModel
 
 
@@ -52,9 +53,21 @@ def _members(
     count at all, also when not finite (a quarantined client's model; 0 x NaN is NaN in a weighted sum).
     When every weight is positive (uniform, or one read of a flag), the inputs themselves: no copy."""
     n = rows.shape[0]
+    if not rows.is_floating_point():
+        raise TypeError(f"fit_posterior: models must be floating point, got {rows.dtype}")
     if weights is None:
         w = torch.full((n,), 1.0 / n, dtype=rows.dtype, device=rows.device)
         return w, rows, w
+    weights = torch.as_tensor(weights)
+    if weights.shape != (n,):
+        raise ValueError(
+            f"fit_posterior: weights must be one per model ({n}), got shape {tuple(weights.shape)}"
+        )
+    if not bool(torch.isfinite(weights).all() and (weights >= 0).all() and weights.sum() > 0):
+        raise ValueError(
+            f"fit_posterior: weights must be finite, >= 0 and not all 0, got {weights[:8].tolist()}"
+            + ("..." if n > 8 else "")
+        )
     w = (weights / weights.sum()).to(rows.dtype)
     kept = w > 0
     if bool(kept.all()):
@@ -103,6 +116,7 @@ def omc_predictive(
 def linear_predictive(posterior: GaussianPosterior, x: torch.Tensor, beta: float):
     """Eq 6 for a linear model y = w'x + b: N(mu_w' [x, 1], 1 / beta + [x, 1] diag(sigma_w^2) [x, 1]').
     Parameters are laid out as nn.Linear(F, 1) flattens them: the F weights, then the bias."""
+    beta = check_float("linear_predictive: beta", beta, minimum=0.0, strict_min=True)
     xa = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], 1).to(posterior.mean.dtype)
     mu = xa @ posterior.mean
     var = 1.0 / beta + xa.square() @ posterior.var
