@@ -41,6 +41,11 @@ from fedtrust.rules import UnknownRuleError
         ({"updates": torch.zeros(2, 3), "client_ids": ["a", "a"]}, ValueError, r"'a' appears 2 times"),
         ({"updates": torch.zeros(2, 3), "client_ids": "ab"}, TypeError, r"client_ids must be a sequence"),
         (
+            {"updates": torch.zeros(2, 3), "client_ids": [("site", 1), ("site", 2)]},
+            TypeError,
+            r"client_ids must be str or int \(a rule keys its state and checkpoints by them\), got \('site', 1\)",
+        ),
+        (
             {"updates": torch.zeros(2, 3), "num_samples": [1, 2, 3]},
             ValueError,
             r"num_samples must have one entry per client \(2\), got 3",
@@ -67,6 +72,20 @@ from fedtrust.rules import UnknownRuleError
 def test_malformed_rounds_name_the_field_and_value(kwargs, error, message):
     with pytest.raises(error, match=message):
         Round(**kwargs)
+
+
+def test_numpy_ids_are_ints_and_a_rules_state_keyed_by_them_saves(tmp_path):
+    """ids taken from a numpy array as a list (np.int64) worked every round but failed at checkpoint
+    time ("dict keys must be str or int"), far from where they came in (a hostile-input review)."""
+    from fedtrust import rule
+    from fedtrust.checkpoint import load_state, save_state
+
+    arfl = rule("arfl")
+    arfl(
+        Round(updates=torch.randn(5, 3), client_ids=list(np.arange(5)), metrics={"train_loss": torch.rand(5)})
+    )
+    save_state(tmp_path / "arfl.safetensors", arfl.state_dict())
+    assert set(load_state(tmp_path / "arfl.safetensors")["loss"]) == {0, 1, 2, 3, 4}
 
 
 def test_round_accepts_numpy_lists_and_half_precision():

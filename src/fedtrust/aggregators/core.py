@@ -238,13 +238,18 @@ class Round:
             ids = ids.tolist()
         if isinstance(ids, str | bytes) or not isinstance(ids, Sequence):
             raise TypeError(f"Round.client_ids must be a sequence of {n} ids, got {type(ids).__name__}")
-        ids = tuple(ids)
+        # numpy's integers and strings are ints and strs: state keyed by them must save (checkpoints key
+        # by str or int), and np.int64(3) would be a key of its own beside 3
+        ids = tuple(i.item() if isinstance(i, np.integer | np.str_) else i for i in ids)
         if len(ids) != n:
             raise ValueError(f"Round.client_ids must have one id per update ({n}), got {len(ids)}")
-        try:
-            unique = set(ids)
-        except TypeError as exc:
-            raise TypeError(f"Round.client_ids must be hashable (str or int), got {ids!r}") from exc
+        other = next((i for i in ids if isinstance(i, bool) or not isinstance(i, str | int)), None)
+        if other is not None:
+            raise TypeError(
+                f"Round.client_ids must be str or int (a rule keys its state and checkpoints by them), got "
+                f"{other!r} ({type(other).__name__})"
+            )
+        unique = set(ids)
         if len(unique) != n:
             dup = next(i for i in ids if ids.count(i) > 1)
             raise ValueError(f"Round.client_ids must be distinct: {dup!r} appears {ids.count(dup)} times")
