@@ -67,6 +67,9 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
             {"data": {"name": "digits", "folds": 3}},
             r"data: dataset 'digits' has no option 'folds'; its options: test_fraction",
         ),
+        # a dataset's required options are asked for with the config, not met as a TypeError in every run
+        ({"data": {"name": "csv"}}, r"data: dataset 'csv' needs options path, target$"),
+        ({"data": {"name": "idx"}}, r"data: dataset 'idx' needs option directory$"),
         (
             {"data": {"partition": {"name": "dirichlet", "alpha": 0}}},
             r"data.partition: partition dirichlet: alpha must be > 0.0, got 0",

@@ -59,6 +59,9 @@ def check_options(kind: str, name: str, builder: Callable, options: Mapping[str,
         raise UnknownNameError(
             f"{kind} {name!r} has no option {unknown[0]!r}; its options: {listed or 'none'}"
         )
+    missing = [k for k, v in valid.items() if v is inspect.Parameter.empty and k not in options]
+    if missing:  # found now, not as a TypeError about positional arguments when every run starts
+        raise ValueError(f"{kind} {name!r} needs option{'s' * (len(missing) > 1)} {', '.join(missing)}")
     if "seed" in options:
         check_seed(f"{kind} {name!r}: seed", options["seed"])
 
