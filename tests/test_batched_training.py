@@ -78,3 +78,23 @@ def test_simulations_agree_between_executors(mode):
         assert a["clients"] == b["clients"]
         assert a["metrics"]["accuracy"] == pytest.approx(b["metrics"]["accuracy"], abs=0.01)
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+
+
+def test_a_batch_size_above_every_clients_rows_trains_on_whole_shares_without_buffers_that_size():
+    """batch_size 1e7 on shares of 13, 40 and 7 rows is one batch of each share a step: the same as
+    batch_size 40, and the step plan (and the gathered batches) are 40 wide, not 1e7 (a hostile-input
+    review: 1.3 GB of buffers at 300000, an allocation error at 1e8)."""
+    model = build_model("softmax", DIGITS)
+    start, data = model.init(1), clients(DIGITS, [13, 40, 7])
+    gens = lambda: [torch.Generator().manual_seed(10 + k) for k in range(len(data))]  # noqa: E731
+    steps = [
+        [rows for rows in executor.batches(len(y), 10**7, g)] for (_, y), g in zip(data, gens(), strict=True)
+    ]
+    index, mask = executor._step_plan(Stacked.of(data), steps, 10**7)
+    assert index.shape == mask.shape == (3, 1, 40)
+    torch.testing.assert_close(
+        batched_local_sgd(model, start, data, 2, 10**7, 0.05, 0.0, gens()),
+        batched_local_sgd(model, start, data, 2, 40, 0.05, 0.0, gens()),
+        rtol=0,
+        atol=0,
+    )

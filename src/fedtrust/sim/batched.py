@@ -52,8 +52,11 @@ class Stacked:
 
 def _step_plan(stacked: Stacked, steps: list[list[torch.Tensor]], batch_size: int):
     """(m, S, B) global row indices and a (m, S, B) float mask of the real entries (numpy scatter: one
-    assignment for every step of every client)."""
+    assignment for every step of every client). B is ``batch_size``, or the longest batch when none is
+    that long: a batch_size above every client's rows trains on whole shares, and the buffers sized by it
+    held 1.3 GB at 300000 and asked 154 GB at 1e8."""
     m, s = len(steps), max((len(st) for st in steps), default=0)
+    batch_size = min(batch_size, max((len(rows) for st in steps for rows in st), default=1))
     index = np.zeros((m, s, batch_size), dtype=np.int64)
     mask = np.zeros((m, s, batch_size), dtype=np.float32)
     flat = [rows for client_steps in steps for rows in client_steps]
