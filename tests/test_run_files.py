@@ -325,11 +325,52 @@ def test_a_run_computed_by_other_code_of_the_same_version_is_computed_again(tmp_
 
     monkeypatch.setattr(runner, "source_hash", lambda: "edited")
     monkeypatch.setattr(store, "source_hash", lambda: "edited")  # (what manifests record)
-    with pytest.warns(StaleRunsWarning, match=r"2 run\(s\) .* were computed by other fedtrust code"):
+    with pytest.warns(StaleRunsWarning, match=r"2 run\(s\) .* were computed by other code \(fedtrust source"):
         outcomes = run_experiment(cfg, tmp_path, progress=False)
     assert [o.status for o in outcomes] == ["finished", "finished"]
     assert RunStore(outcomes[0].directory).manifest()["versions"]["fedtrust_source"] == "edited"
     assert [o.status for o in run_experiment(cfg, tmp_path, progress=False)] == ["skipped", "skipped"]
+
+
+def test_a_run_of_a_registered_rule_whose_code_changed_is_computed_again(tmp_path):
+    """A config names a user's rule but not what it does: runs of an edited rule under the same name were
+    skipped, printing the old rule's accuracy as the new one's (a freshness review: 0.91 where the edited
+    rule gives 0.12). The source of every registered component a run names is part of its identity."""
+    import importlib.util
+
+    from fedtrust.rules import RULES, register
+    from fedtrust.sweeps.runner import StaleRunsWarning
+
+    def load(scale):
+        (tmp_path / "my_rule.py").write_text(textwrap.dedent(f"""
+            import dataclasses
+
+            from fedtrust.aggregators.mean import Mean
+
+            class Scaled(Mean):
+                name = "scaled"
+
+                def aggregate(self, round, first):
+                    out = super().aggregate(round, first)
+                    return dataclasses.replace(out, vector=out.vector * {scale})
+            """))  # fmt: skip
+        spec = importlib.util.spec_from_file_location("my_rule", tmp_path / "my_rule.py")
+        module = sys.modules["my_rule"] = importlib.util.module_from_spec(spec)  # as an import does
+        spec.loader.exec_module(module)
+        register("scaled", module.Scaled, replace=True)
+
+    try:
+        load(1.0)
+        cfg = config(train__rounds=2, rule={"name": "scaled"})
+        (first,) = run_experiment(cfg, tmp_path / "out", progress=False)
+        assert [o.status for o in run_experiment(cfg, tmp_path / "out", progress=False)] == ["skipped"]
+        load(-3.0)
+        with pytest.warns(StaleRunsWarning, match="a component you registered has changed"):
+            (again,) = run_experiment(cfg, tmp_path / "out", progress=False)
+        assert again.status == "finished" and again.final != first.final
+    finally:
+        RULES.pop("scaled", None)
+        sys.modules.pop("my_rule", None)
 
 
 def test_a_run_computed_from_other_data_under_the_same_path_is_computed_again(tmp_path):

@@ -134,6 +134,48 @@ def resolved(cfg: ExperimentConfig) -> dict[str, Any]:
     return cfg.model_dump(mode="json", exclude={"sweep": True, "train": {"device"}})
 
 
+def user_code(cfg: ExperimentConfig) -> dict[str, str | None]:
+    """Registered name -> a hash of the source file (or, where there is none, the source) of each
+    component the run names that is not fedtrust's own: a rule, attack, model, dataset, partition or
+    data corruption the user registered. A config names such code but not what it does: an edited rule
+    under the same name computes something else (None: its source cannot be read, so it is never
+    trusted to be the same)."""
+    from fedtrust.models.zoo import MODELS
+    from fedtrust.rules import PRE_AGGREGATORS, RULES
+
+    names: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, str):
+            names.update(node.split("+"))  # "nnm+median"
+        elif isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list | tuple):
+            for value in node:
+                walk(value)
+
+    walk(resolved(cfg))
+    tables = (RULES, PRE_AGGREGATORS, ATTACKS, MODELS, DATASETS, PARTITIONERS, DATA_CORRUPTIONS)
+    return {
+        name: _source_digest(table[name])
+        for table in tables
+        for name in sorted(names & table.keys())
+        if not getattr(table[name], "__module__", "fedtrust").startswith("fedtrust")
+    }
+
+
+def _source_digest(builder: Any) -> str | None:
+    import inspect
+
+    try:
+        path = Path(inspect.getsourcefile(builder) or "")
+        text = path.read_bytes() if path.is_file() else inspect.getsource(builder).encode()
+    except (OSError, TypeError):
+        return None
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
 def config_hash(cfg: ExperimentConfig) -> str:
     """SHA-256 of :func:`resolved`."""
     return hashlib.sha256(json.dumps(resolved(cfg), sort_keys=True, default=str).encode()).hexdigest()
@@ -177,8 +219,10 @@ def _preflight(runs, root: Path, force: bool) -> tuple[set[str], dict[str, str]]
         if diff:
             redo.add(label)
             changed.append(f"  {label}: " + "; ".join(diff))
-        elif (
-            manifest is not None and (manifest.get("versions") or {}).get("fedtrust_source") != source_hash()
+        elif manifest is not None and (
+            (manifest.get("versions") or {}).get("fedtrust_source") != source_hash()
+            or (manifest.get("user_code") or {}) != (mine := user_code(run_cfg))
+            or None in mine.values()
         ):
             redo.add(label)
             stale.append(label)
@@ -190,9 +234,9 @@ def _preflight(runs, root: Path, force: bool) -> tuple[set[str], dict[str, str]]
         )
     if stale:
         warnings.warn(
-            f"{len(stale)} run(s) in {root} were computed by other fedtrust code (source "
-            f"{source_hash()} here); they are computed again, not skipped or resumed: {', '.join(stale[:5])}"
-            + (" ..." if len(stale) > 5 else ""),
+            f"{len(stale)} run(s) in {root} were computed by other code (fedtrust source {source_hash()} "
+            "here, or a component you registered has changed or has no readable source); they are computed "
+            f"again, not skipped or resumed: {', '.join(stale[:5])}" + (" ..." if len(stale) > 5 else ""),
             StaleRunsWarning,
             stacklevel=3,
         )
@@ -364,6 +408,7 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
         "config": resolved(run_cfg),
         "config_hash": config_hash(run_cfg),
         "versions": versions(),
+        "user_code": user_code(run_cfg),
         "data_digest": data,
         "threads": torch.get_num_threads(),  # BLAS splits its sums by thread: the last digits may move
     }
