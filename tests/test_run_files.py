@@ -224,6 +224,29 @@ def test_a_finished_run_with_damaged_round_records_is_redone_not_skipped(tmp_pat
     assert len(store.rounds()) == 5 and store.is_finished()
 
 
+def test_checkpoints_without_a_manifest_are_not_resumed_and_clearing_removes_the_manifest_last(tmp_path):
+    """A run killed while --force cleared it left checkpoints and rounds but no manifest (it went first),
+    and the next run resumed them blindly: lr 0.5's result printed as lr 0.05's (a freshness review).
+    Nothing says what such files computed: the run starts over, and clearing now removes the manifest
+    last."""
+    from fedtrust.sim.store import RecoveryWarning
+
+    store = crashed_run(tmp_path, config(), at=3)
+    order = []
+    unlink = Path.unlink
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "unlink", lambda self, *a, **k: order.append(self.name) or unlink(self, *a, **k))
+        RunStore(store.dir).clear()
+    assert order[-1] == "manifest.json" and "checkpoint.safetensors" in order
+    store = crashed_run(tmp_path / "again", config(), at=3)
+    store.manifest_path.unlink()  # as a kill between the two would leave it
+    with pytest.warns(RecoveryWarning, match="no manifest: nothing says what they computed"):
+        records = build_simulation(config(train__lr=0.05)).run(store)
+    assert strip_times(records) == strip_times(
+        build_simulation(config(train__lr=0.05)).run(RunStore(tmp_path / "b"))
+    )
+
+
 def test_an_interrupted_run_says_when_and_why_it_stopped_until_it_resumes(tmp_path):
     """A run stopped mid-way stays unfinished and resumable; its manifest and the report say after which
     round and why it stopped, and its resumption finishes it without that note."""
@@ -397,6 +420,15 @@ def test_a_run_computed_from_other_data_under_the_same_path_is_computed_again(tm
     with pytest.warns(StaleRunsWarning, match="was computed from other data"):
         again = run_experiment(cfg, tmp_path / "out", progress=False)[0]
     assert again.status == "finished" and again.final != first.final
+    # data that are gone (or cut to the header) cannot vouch for the stored number: it is not printed as
+    # a skipped run's (a freshness review), the run fails saying why, and comes back with the data
+    for broken in ("a,b,c,y\n", None):
+        csv.unlink() if broken is None else csv.write_text(broken)
+        (gone,) = run_experiment(cfg, tmp_path / "out", progress=False)
+        assert gone.status == "failed" and gone.final is None and str(csv.name) in gone.error
+    write(x[:, 1] > 0)
+    back = run_experiment(cfg, tmp_path / "out", progress=False)[0]
+    assert back.status == "finished" and back.final == again.final
 
 
 def test_an_unreadable_manifest_fails_that_run_only(tmp_path):

@@ -287,6 +287,14 @@ class Simulation:
                 return finished
             stale = ("error", "traceback", "interrupted")
             stored = {k: v for k, v in (store.manifest() or {}).items() if k not in stale}
+            if not stored and any(p.exists() for p in (store.rounds_path, store.checkpoint_path)):
+                warnings.warn(
+                    f"{store.dir} holds rounds or checkpoints but no manifest: nothing says what they "
+                    "computed, so the run starts over",
+                    RecoveryWarning,
+                    stacklevel=2,
+                )
+                store.clear()
             records, problem = store.read_rounds()
             records, notes = self._resume(store, records, [problem] if problem else [])
             first = len(records) + 1

@@ -243,10 +243,14 @@ class RunStore:
         atomic_write(self.dir / "predictions.npz", buffer.getvalue())
 
     def clear(self) -> None:
-        """Remove the run's results and checkpoints (``--force``: start over); the lock files stay."""
+        """Remove the run's results and checkpoints (``--force``: start over); the lock files stay. The
+        manifest goes last: a run killed while clearing never leaves checkpoints without the manifest
+        that says what they computed."""
+        kept = (self.lock_path, self.holder_path, self.manifest_path)
         for path in self.dir.iterdir() if self.dir.exists() else ():
-            if path.is_file() and path not in (self.lock_path, self.holder_path):
+            if path.is_file() and path not in kept:
                 path.unlink()
+        self.manifest_path.unlink(missing_ok=True)
 
 
 def now() -> str:

@@ -393,7 +393,9 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
                 stacklevel=2,
             )
         store.clear()
-    if store.finished_rounds(rounds) is not None:  # not cleared above: ``stored`` is its manifest
+    # data that cannot be read now cannot vouch for a stored result: the run is attempted (and fails
+    # saying why) instead of printing the number computed from data that are gone
+    if data is not None and store.finished_rounds(rounds) is not None:  # not cleared above: ``stored``
         manifest = stored
         bar.advance(rounds, label)
         return RunOutcome(label, store.dir, "skipped", manifest.get("final"), seconds=manifest.get("seconds"),
