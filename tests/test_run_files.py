@@ -305,6 +305,30 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     assert RunStore(folder).is_finished()
 
 
+def test_a_run_another_sweep_wrote_from_another_config_meanwhile_is_left_and_named(tmp_path, monkeypatch):
+    """Two sweeps of different configs on one --out: the config was compared once, before anything ran,
+    so a run the other sweep wrote meanwhile was resumed (or its number printed as skipped) as this
+    config's (a freshness review). It is compared again under the run's lock."""
+    import fedtrust.sweeps.runner as runner
+
+    mine, theirs = config(train__rounds=2), config(train__rounds=2, train__lr=0.05)
+    preflight = runner._preflight
+
+    def meanwhile(*args, **kwargs):  # the other sweep writes the run between the check and the lock
+        decided = preflight(*args, **kwargs)
+        monkeypatch.setattr(runner, "_preflight", preflight)
+        assert run_experiment(theirs, tmp_path, progress=False)[0].status == "finished"
+        return decided
+
+    monkeypatch.setattr(runner, "_preflight", meanwhile)
+    (outcome,) = run_experiment(mine, tmp_path, progress=False)
+    assert outcome.status == "failed" and outcome.final is None
+    assert (
+        "another process wrote this run from another config while this sweep ran (train.lr" in outcome.error
+    )
+    assert RunStore(outcome.directory).manifest()["config"]["train"]["lr"] == 0.05  # theirs, untouched
+
+
 # ---------------------------------------------------------------- a run is what it computes
 
 

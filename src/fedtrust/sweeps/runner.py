@@ -335,6 +335,20 @@ def _run_locked(cfg, index, label, run_cfg, root, redo: bool, datasets, bar) -> 
     with store.lock():
         if redo:
             store.clear()
+        else:  # checked again under the lock: another sweep on this --out may have written it meanwhile
+            try:
+                manifest = store.manifest()
+            except CorruptFileError:
+                manifest = None  # (the run says so below)
+            diff = differences(manifest, run_cfg) if manifest is not None else []
+            if diff:
+                error = (
+                    "another process wrote this run from another config while this sweep ran ("
+                    + "; ".join(diff)
+                    + "); left as it is: use another --out for a sweep of another config"
+                )
+                bar.advance(run_cfg.train.rounds_run, label)
+                return index, RunOutcome(label, store.dir, "failed", error=error)
         return index, _run_one(cfg, index, label, run_cfg, store, datasets, bar, run_cfg.train.rounds_run)
 
 
