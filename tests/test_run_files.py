@@ -489,7 +489,7 @@ def test_a_model_that_goes_non_finite_fails_the_run_which_stops_there(tmp_path):
         def load_state_dict(self, state):
             pass
 
-    sim = build_simulation(config())
+    sim = build_simulation(config(train__eval_every=10))  # (evaluated at round 1, its outputs overflow)
     sim.rule = Overflow()
     store = RunStore(tmp_path / "run")
     records = sim.run(store)
@@ -497,6 +497,22 @@ def test_a_model_that_goes_non_finite_fails_the_run_which_stops_there(tmp_path):
     assert sim.failure == "the global model went non-finite in round 2 (diverged); the run stopped"
     assert store.manifest()["status"] == "failed" and store.manifest()["error"] == sim.failure
     assert not store.checkpoint_path.exists()  # the round-2 checkpoint would hold the non-finite model
+
+
+def test_a_model_whose_outputs_overflow_fails_the_run_though_its_weights_are_finite(tmp_path):
+    """A scaling attack of 1e30 on an MLP left its weights finite (|w| up to 4e28) and its outputs NaN:
+    the run ended 'finished' with an accuracy of argmax over NaN averaged into the report (a freshness
+    review). A non-finite test loss is a diverged model."""
+    cfg = config(model={"name": "mlp", "hidden": [16]}, corruption={"name": "scaling", "factor": 1e30, "fraction": 0.3},
+                 rule={"name": "mean"}, train__fraction=1.0)  # fmt: skip
+    sim = build_simulation(cfg)
+    store = RunStore(tmp_path / "run")
+    records = sim.run(store)
+    assert sim.failure == (
+        f"the global model gave a non-finite test loss (its outputs overflow) in round {len(records)} "
+        "(diverged); the run stopped"
+    )
+    assert len(records) < 5 and store.manifest()["status"] == "failed"
 
 
 def test_a_finished_run_counts_the_rounds_its_rule_could_not_aggregate(tmp_path):

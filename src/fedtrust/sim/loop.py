@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -94,7 +95,8 @@ class Simulation:
         self.vector = self.initial.clone()
         self.evaluation = evaluation or default_evaluation(model, federation, settings, seed)
         self.failure: str | None = None  # why the last run failed (see run), None when it did not
-        self.diverged = False  # the last round's aggregate would have made the global model non-finite
+        # the last round made the global model non-finite (True), or its outputs (a str saying so)
+        self.diverged: bool | str = False
         convolutional = any(isinstance(m, torch.nn.Conv2d) for m in model.module.modules())
         if settings.executor == "batched" and model.num_buffers:
             raise ValueError(
@@ -242,6 +244,9 @@ class Simulation:
         evaluated = None
         if t == self.rounds or t % self.settings.eval_every == 0:
             evaluated = self.evaluation(t, self.vector)
+            overflow = [k for k in ("loss", "rmse") if not math.isfinite((evaluated or {}).get(k, 0.0))]
+            if overflow and not self.diverged:  # finite weights whose outputs overflow: no usable model
+                self.diverged = f"gave a non-finite test {overflow[0]} (its outputs overflow)"
         corrupted = self.fed.corrupted[chosen].tolist()
         losses = round_.metrics.get("train_loss")
         sizes = self.fed.sizes()
@@ -347,7 +352,8 @@ class Simulation:
             if on_round is not None:
                 on_round(record)
             if diverged:
-                self.failure = f"the global model went non-finite in round {t} (diverged); the run stopped"
+                how = diverged if isinstance(diverged, str) else "went non-finite"
+                self.failure = f"the global model {how} in round {t} (diverged); the run stopped"
                 return
 
     def _save_predictions(self, store: RunStore) -> None:
