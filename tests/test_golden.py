@@ -36,6 +36,10 @@ def differences(recorded, now, rtol: float, atol: float, path: str = "") -> list
             for i, (a, b) in enumerate(zip(recorded, now, strict=True))
             for m in differences(a, b, rtol, atol, f"{path}[{i}]")
         ]
+    if path.endswith("/fallback") and isinstance(recorded, str) and isinstance(now, str):
+        # what the rule fell back to must hold; the error text of the fit that broke down is the
+        # library's (torch's Cholesky message, a float division) and how a fit breaks may vary by CPU
+        recorded, now = recorded.split(" -> ")[-1], now.split(" -> ")[-1]
     if isinstance(recorded, bool | str) or recorded is None or isinstance(now, bool | str) or now is None:
         return [] if recorded == now else [f"{path}: recorded {recorded!r}, now {now!r}"]
     if math.isclose(float(now), float(recorded), rel_tol=rtol, abs_tol=atol):
