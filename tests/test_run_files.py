@@ -574,6 +574,26 @@ def test_the_report_lists_the_clients_left_out_of_rounds_and_sums_up_many(tmp_pa
             "1-3); the first reason: update has non-finite entries") in many  # fmt: skip
 
 
+def test_the_report_says_when_runs_of_a_sweep_never_started(tmp_path):
+    """A sweep killed between runs left 4 of 6 on disk, and the report printed 4 runs and a cell of one
+    seed's number with nothing missing said (a freshness review). Each run records its sweep's planned
+    size, and the report and the CLI say how many are not there."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from fedtrust.cli import app
+    from fedtrust.report import write_report
+
+    run_experiment(config(train__rounds=1, sweep={"seed": [0, 1, 2]}), tmp_path, progress=False)
+    assert "## Runs missing from their sweep" not in write_report(tmp_path / "t").read_text()
+    shutil.rmtree(tmp_path / "t" / "seed=2")
+    text = write_report(tmp_path / "t").read_text()
+    assert "- t: 2 of the 3 runs its sweep planned are on disk; the other 1 never started" in text
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "t")])
+    assert result.exit_code == 0 and "note: t: 2 of the 3 runs its sweep planned are on disk" in result.output
+
+
 def test_the_report_says_which_code_computed_its_runs(tmp_path):
     """A table read from old runs says so: the report's provenance names the runs' fedtrust source
     hashes against this checkout's, and counts the runs of other code (or none recorded)."""

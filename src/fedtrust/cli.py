@@ -160,7 +160,7 @@ def report(
     """Markdown tables (final metric, detection AUROC, weight on corrupted) and PNG plots of runs on disk.
     Failed, unfinished and unreadable runs are listed, never averaged in; unreadable ones (damaged files)
     make the exit status non-zero."""
-    from fedtrust.report import load_runs, other_code, write_report
+    from fedtrust.report import load_runs, missing, other_code, write_report
 
     if out is not None and out.exists() and not out.is_dir():
         raise _fail(f"--out {out} is a file; give a folder for the report")
@@ -176,6 +176,9 @@ def report(
     if other:
         typer.echo(f"note: {other} of {len(runs)} runs were computed by other fedtrust code, or record none "
                    f"(the report's provenance section lists them)", err=True)  # fmt: skip
+    for name, (have, planned) in missing(runs).items():
+        typer.echo(f"note: {name}: {have} of the {planned} runs its sweep planned are on disk (the report "
+                   "lists it); the others never started or were removed", err=True)  # fmt: skip
     left_out = [r for r in runs if r.status != "finished"]
     for r in left_out:
         typer.echo(f"{r.status}: {r.directory}: {r.reason}", err=True)

@@ -6,11 +6,11 @@ from collections import Counter
 from pathlib import Path
 
 from fedtrust.report.figures import calibration, metric_curves, sweep_curves, trust_heatmaps
-from fedtrust.report.results import Cell, Run, is_replicate, load_runs, table
+from fedtrust.report.results import Cell, Run, is_replicate, load_runs, missing, table
 from fedtrust.report.style import slug
 from fedtrust.sim.store import source_hash
 
-__all__ = ["Run", "load_runs", "other_code", "write_report"]
+__all__ = ["Run", "load_runs", "missing", "other_code", "write_report"]
 
 
 def _cell(cell: Cell | None) -> str:
@@ -281,6 +281,16 @@ def _problems(runs: list[Run], done: list[Run]) -> list[str]:
         "unreadable": lambda r: r.problem,
     }
     lines = []
+    absent = missing(runs)
+    if absent:
+        lines += ["## Runs missing from their sweep", ""]
+        lines += [
+            f"- {name}: {have} of the {planned} runs its sweep planned are on disk; the other "
+            f"{planned - have} never started or were removed (`fedtrust run` computes them), and the "
+            "cells average what is here"
+            for name, (have, planned) in absent.items()
+        ]
+        lines.append("")
     for status, title in (
         ("failed", "Failed runs"),
         ("running", "Unfinished runs (interrupted or still running; left out)"),

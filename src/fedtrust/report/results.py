@@ -266,6 +266,19 @@ def load_runs(directory: str | Path) -> list[Run]:
     return runs
 
 
+def missing(runs: list[Run]) -> dict[str, tuple[int, int]]:
+    """Experiment -> (runs on disk, runs its sweep planned), for the experiments with fewer on disk than
+    planned: runs that never started (a sweep killed early) or were removed, which no cell can show."""
+    planned: dict[str, int] = {}
+    present: dict[str, int] = {}
+    for r in runs:
+        name, size = r.manifest.get("experiment"), r.manifest.get("sweep_size")
+        if isinstance(name, str) and isinstance(size, int) and not isinstance(size, bool):
+            planned[name] = max(planned.get(name, 0), size)
+            present[name] = present.get(name, 0) + 1
+    return {name: (present[name], size) for name, size in planned.items() if present[name] < size}
+
+
 def mean_sd(values: list[float]) -> tuple[float, float]:
     """Mean and sd of the finite values (a diverged run's inf or NaN is counted apart, see ``table``)."""
     values = [v for v in values if v is not None and math.isfinite(v)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import traceback
 import warnings
@@ -419,6 +420,7 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
         "experiment": cfg.name,
         "run": label,
         "index": index,
+        "sweep_size": math.prod(len(values) for values in cfg.sweep.values()),  # runs planned (1: none)
         "swept": swept,
         "seed": run_cfg.seed,
         "config": resolved(run_cfg),
