@@ -594,6 +594,27 @@ def test_the_report_says_when_runs_of_a_sweep_never_started(tmp_path):
     assert result.exit_code == 0 and "note: t: 2 of the 3 runs its sweep planned are on disk" in result.output
 
 
+def test_a_run_folder_copied_aside_is_not_another_seed(tmp_path):
+    """A copy of seed=0's folder (seed=0.bak) was averaged in as a fourth seed, moving the cell (a
+    freshness review). Runs of one config hash are one run: the copy is listed, not counted."""
+    import shutil
+
+    from fedtrust.report import write_report
+    from fedtrust.report.results import Run, load_runs, table
+
+    run_experiment(config(train__rounds=1, sweep={"seed": [0, 1, 2]}), tmp_path, progress=False)
+    shutil.copytree(tmp_path / "t" / "seed=0", tmp_path / "t" / "seed=0.bak")
+    runs = load_runs(tmp_path / "t")
+    (copy,) = [r for r in runs if r.status == "copy"]
+    assert copy.directory.name == "seed=0.bak" and copy.reason.startswith(
+        f"the same config and seed as {tmp_path}"
+    )
+    ((_, cell),) = table(runs, Run.final)[2].items()
+    assert cell.count == 3
+    text = write_report(tmp_path / "t").read_text()
+    assert "4 runs (3 finished, 1 copy)" in text and "## Copies of other runs" in text
+
+
 def test_the_report_says_which_code_computed_its_runs(tmp_path):
     """A table read from old runs says so: the report's provenance names the runs' fedtrust source
     hashes against this checkout's, and counts the runs of other code (or none recorded)."""

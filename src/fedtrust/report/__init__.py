@@ -240,7 +240,9 @@ def _tables(name: str, runs: list[Run], metrics: list[str]) -> list[str]:
     weight on corrupted clients, the rounds that did not converge, the votes sybils shared."""
     seeds = sorted({r.seed for r in runs if r.manifest})
     counts = Counter(r.status for r in runs)
-    statuses = [f"{counts[k]} {k}" for k in ("finished", "failed", "running", "unreadable") if counts[k]]
+    statuses = [
+        f"{counts[k]} {k}" for k in ("finished", "failed", "running", "unreadable", "copy") if counts[k]
+    ]
     unconverged = _unconverged(runs)
     return [
         f"# Report: {name}",
@@ -279,6 +281,7 @@ def _problems(runs: list[Run], done: list[Run]) -> list[str]:
         "failed": lambda r: r.manifest.get("error"),
         "running": lambda r: r.reason,
         "unreadable": lambda r: r.problem,
+        "copy": lambda r: r.reason,
     }
     lines = []
     absent = missing(runs)
@@ -295,6 +298,7 @@ def _problems(runs: list[Run], done: list[Run]) -> list[str]:
         ("failed", "Failed runs"),
         ("running", "Unfinished runs (interrupted or still running; left out)"),
         ("unreadable", "Unreadable runs (left out)"),
+        ("copy", "Copies of other runs (the same config and seed; left out, so that no run counts twice)"),
     ):
         listed = [r for r in runs if r.status == status]
         if listed:

@@ -27,15 +27,23 @@ class Run:
     tag: str = ""
     #: swept section -> the options shown in its label (those that differ between the runs loaded with it)
     shown: dict[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
+    #: the run of the same config and seed this one copies (a folder copied aside): counted once, there
+    copy_of: Path | None = None
 
     @property
     def status(self) -> str:
-        """finished, failed (``manifest["error"]`` says why), running (interrupted), or unreadable."""
-        return "unreadable" if self.problem else self.manifest.get("status", "unknown")
+        """finished, failed (``manifest["error"]`` says why), running (interrupted), unreadable, or copy
+        (of another run: left out, so that no run counts twice)."""
+        if self.problem:
+            return "unreadable"
+        return "copy" if self.copy_of is not None else self.manifest.get("status", "unknown")
 
     @property
     def reason(self) -> str:
-        """Why a run is not counted: its error, its file problem, or how far it got."""
+        """Why a run is not counted: its error, its file problem, whom it copies, or how far it got."""
+        if self.copy_of is not None and not self.problem:
+            short = self.manifest["config_hash"][:12]
+            return f"the same config and seed as {self.copy_of} (config hash {short})"
         if self.problem or self.manifest.get("error"):
             return self.problem or self.manifest["error"]
         stopped = self.manifest.get("interrupted")
@@ -261,6 +269,14 @@ def load_runs(directory: str | Path) -> list[Run]:
             problem = f"{store.rounds_path} has {len(rounds)} rounds but the run says it finished {expected}"
         runs.append(Run(path.parent, manifest, rounds, problem))
     runs.sort(key=lambda r: (r.manifest.get("experiment", ""), r.manifest.get("index", 0)))  # sweep order
+    first: dict[str, Run] = {}
+    for r in runs:  # a run folder copied aside is the same run, not another seed
+        key = r.manifest.get("config_hash")
+        if isinstance(key, str) and not r.own_run and not r.problem:
+            if key in first:
+                r.copy_of = first[key].directory
+            else:
+                first[key] = r
     options_that_differ(runs)
     tell_apart(runs)
     return runs
