@@ -324,7 +324,7 @@ def test_a_source_far_beyond_the_others_cannot_move_the_consensus_through_a_weig
 def test_a_client_with_one_absurd_coordinate_cannot_move_a_trust_rules_aggregate(name, dtype, far):
     """The same through the rules: a weight of about 0 on the client is also what the aggregate shows.
     (Residuals from Gram matrices resolve an honest residual to the dtype's eps times the far one's:
-    ICOV-VB at 1e18 in float64 ends 0.9 off on that coordinate, where it was 4.5e11.)"""
+    ICOV-VB at 1e18 in float64 ends 0.9 off on that coordinate; in float32 it was 4.5e11 at 1e18.)"""
     x = one_far_source(dtype, far)[0]
     out = fedtrust.rule(name)(fedtrust.Round(updates=x))
     assert float(out.weights[5]) < 1e-6
