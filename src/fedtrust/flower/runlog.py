@@ -94,8 +94,12 @@ class RunDirectory:
         self.store.update_manifest(
             status="running",
             interrupted=interruption(len(records), rounds, error),
-            seconds=(self.store.manifest() or {}).get("seconds", 0.0) + time.perf_counter() - self.began,
+            seconds=self._seconds(),
         )
+
+    def _seconds(self) -> float:
+        """The run's time over its sessions: the earlier ones' and this one's so far."""
+        return (self.store.manifest() or {}).get("seconds", 0.0) + time.perf_counter() - self.began
 
     def finish(self, records: list[dict[str, Any]], rounds: int) -> None:
         metrics = next((r["metrics"] for r in reversed(records) if r.get("metrics")), None)
@@ -105,7 +109,7 @@ class RunDirectory:
             error=f"no round could be aggregated ({records[0]['error']})" if failed else None,
             finished=now(),
             final=metrics,
-            seconds=(self.store.manifest() or {}).get("seconds", 0.0) + time.perf_counter() - self.began,
+            seconds=self._seconds(),
         )
 
 

@@ -277,12 +277,6 @@ def _tables(name: str, runs: list[Run], metrics: list[str]) -> list[str]:
 def _problems(runs: list[Run], done: list[Run]) -> list[str]:
     """The runs left out of the tables (failed, unfinished, unreadable), each with why, and the finished
     runs with rounds skipped because the rule raised."""
-    why = {
-        "failed": lambda r: r.manifest.get("error"),
-        "running": lambda r: r.reason,
-        "unreadable": lambda r: r.problem,
-        "copy": lambda r: r.reason,
-    }
     lines = []
     absent = missing(runs)
     if absent:
@@ -302,7 +296,7 @@ def _problems(runs: list[Run], done: list[Run]) -> list[str]:
     ):
         listed = [r for r in runs if r.status == status]
         if listed:
-            lines += [f"## {title}", "", *(f"- {r.directory.name}: {why[status](r)}" for r in listed), ""]
+            lines += [f"## {title}", "", *(f"- {r.directory.name}: {r.reason}" for r in listed), ""]
     skipped = [(r, r.errors()) for r in done if r.errors()]
     if skipped:
         lines += ["## Rounds not aggregated (the global model stayed; finished runs)", ""]

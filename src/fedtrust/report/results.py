@@ -41,7 +41,7 @@ class Run:
     @property
     def reason(self) -> str:
         """Why a run is not counted: its error, its file problem, whom it copies, or how far it got."""
-        if self.copy_of is not None and not self.problem:
+        if self.copy_of is not None:  # (set only on runs that read back)
             short = self.manifest["config_hash"][:12]
             return f"the same config and seed as {self.copy_of} (config hash {short})"
         if self.problem or self.manifest.get("error"):
