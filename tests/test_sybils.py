@@ -138,6 +138,92 @@ def test_copies_neither_sharpen_nor_drag_robust_fedags_posterior(base):
         assert (off.vector - HONEST[3]).norm() < 0.3 * (alone.vector - HONEST[3]).norm()
 
 
+# ---------------------------------------------------------------- copies with noise added
+
+
+def noisy(x, bad, scale, seed=2):
+    """x with independent noise on its last ``bad`` rows: N(0, (scale x the honest rows' per-coordinate
+    standard deviation)^2), drawn for each row and coordinate."""
+    g = torch.Generator().manual_seed(seed)
+    out = x.clone()
+    out[-bad:] += scale * x[:-bad].std(0) * torch.randn(bad, x.shape[1], generator=g)
+    return out
+
+
+#: The copy attacks: options, and who ends up in the one group (mimic's copies join the client they copy).
+COPY_ATTACKS = {"mimic": ({"target": 3}, [3, *range(14, 20)]), "ipm": ({"epsilon": 3.0}, list(range(14, 20)))}
+
+
+@pytest.mark.parametrize("scale", [1e-4, 1e-2, 0.05])
+@pytest.mark.parametrize("attack_name", COPY_ATTACKS)
+@pytest.mark.parametrize("name", SHARING)
+def test_copies_with_independent_noise_share_one_vote_as_exact_copies_do(name, attack_name, scale):
+    """Eq 3 with k nearly equal rows of Phi: six clients send one vector (a copy of client 3's, or IPM's),
+    each with its own noise of up to a twentieth of the honest spread, too far apart to be copies. Their
+    deviations from the round's median correlate near 1, so they are one source again: the group's weight
+    and the aggregate are where exact copies leave them. (At a tenth, one noisy copy of client 3 here
+    correlates below 0.95: a mimic's deviation is one honest client's, no larger.) Grouping exact copies only
+    (``sybils="copies"``), IVAR hands the noisy copies of client 3 nearly the whole round."""
+    options, group = COPY_ATTACKS[attack_name]
+    exact = attacked(HONEST, attack_name, **options)
+    x = noisy(exact, 6, scale)
+    copies = two_rounds(name, exact)
+    out = two_rounds(name, x)
+    assert [g["clients"] for g in out.info["groups"]] == [[f"c{i}" for i in group]]
+    assert out.info["groups"][0]["reason"].startswith(
+        f"{len(group)} updates share one vote: their deviations"
+    )
+    torch.testing.assert_close(out.weights[group].sum(), copies.weights[group].sum(), rtol=0.1, atol=2e-3)
+    assert (out.vector - copies.vector).norm() < 0.02 * HONEST.mean(0).norm()
+    if name.startswith("ivar") and attack_name == "mimic":
+        apart = two_rounds(name, x, sybils="copies")
+        assert apart.info["groups"] == []
+        assert float(apart.weights[group].sum()) > 0.9 > 5 * float(out.weights[group].sum())
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e2, 1e4])
+def test_a_minority_of_far_noise_does_not_make_honest_clients_look_like_copies(scale):
+    """Correlation is read about the coordinate-wise median, which a minority cannot carry off: five
+    adversaries' noise, however large, beside six honest clients (four within 0.01 of a common update, two
+    within 0.05) leaves every client its own source. About the mean, the adversaries' pull would be a
+    common offset of the honest deviations, as large as the adversaries make it."""
+    g = torch.Generator().manual_seed(4)
+    d = 300
+    common = 0.3 * torch.randn(d, generator=g)
+    honest = common + torch.tensor([0.01] * 4 + [0.05] * 2)[:, None] * torch.randn(6, d, generator=g)
+    x = torch.cat([honest, scale * torch.randn(5, d, generator=g)])
+    assert find_groups(x).trivial
+    median = x.median(0).values  # (odd n: the middle value) as far-off noise moves, it stays among the honest
+    assert float((median - common).abs().max()) < 0.2
+
+
+def test_correlated_groups_never_merge_half_the_round():
+    """The honest majority is every rule's premise: a correlated component of half the clients or more is
+    left apart (six noisy copies beside six honest clients), one of fewer is merged."""
+    x = noisy(attacked(HONEST[:6], "ipm", epsilon=3.0, bad=6), 6, 0.01)
+    assert find_groups(x).trivial
+    merged = find_groups(x[:-1])
+    assert merged.members == ((0,), (1,), (2,), (3,), (4,), (5,), tuple(range(6, 11)))
+    assert find_groups(x[:-1], sybils="copies").trivial
+
+
+@pytest.mark.parametrize("name", ["ivar_mle", "ivar_vb"])
+def test_honest_clients_that_share_one_offset_are_one_source_as_eq_3_says(name):
+    """Four honest clients that share one offset from the truth (one data distribution among a few) look
+    like noisy copies, and by eq 3 they are: errors that agree carry one error's information. Together they
+    get what one of them alone would; apart, IVAR read their agreement as reliability and gave them
+    nearly the whole round, the price FoolsGold's similarity discount also pays."""
+    g = torch.Generator().manual_seed(6)
+    d = HONEST.shape[1]
+    x = HONEST.clone()
+    x[:4] = TRUTH + 0.5 * torch.randn(d, generator=g) + 0.05 * torch.randn(4, d, generator=g)
+    out = two_rounds(name, x)
+    assert [grp["clients"] for grp in out.info["groups"]] == [["c0", "c1", "c2", "c3"]]
+    one = two_rounds(name, x[3:])
+    torch.testing.assert_close(out.weights[:4].sum(), one.weights[0], rtol=0.25, atol=0)
+    assert float(two_rounds(name, x, sybils="copies").weights[:4].sum()) > 0.9
+
+
 def test_honest_clients_are_not_grouped_and_an_outlier_does_not_make_two_of_them_alike():
     """Independent noisy updates share no vote; nor do two honest clients that are close compared with a
     far outlier (each update's own spread sets the scale, not the round's)."""
@@ -170,9 +256,11 @@ def test_the_window_state_follows_each_member_as_groups_form_and_dissolve():
 
 
 def test_sybils_option_is_checked_like_every_other_option():
-    with pytest.raises(ValueError, match="ivar_vb: sybils must be one of 'share', 'off'; got 'drop'"):
+    with pytest.raises(
+        ValueError, match="ivar_vb: sybils must be one of 'share', 'copies', 'off'; got 'drop'"
+    ):
         rule("ivar_vb", sybils="drop")
-    with pytest.raises(ValueError, match="focus: sybils must be one of 'share', 'off'; got 1"):
+    with pytest.raises(ValueError, match="focus: sybils must be one of 'share', 'copies', 'off'; got 1"):
         rule("focus", sybils=1)
 
 
@@ -310,11 +398,8 @@ def test_a_run_keeps_each_rounds_groups_and_the_report_counts_them(tmp_path):
         assert group["reason"] == "4 identical updates share one vote"
     assert all("groups" not in json.loads(line)["info"] for line in (off / "rounds.jsonl").open())
     text = write_report(tmp_path / "t").read_text()
-    assert "## Identical updates and degenerate rounds" in text
-    assert (
-        "- rule=ivar_vb: in 2 of 2 rounds near-identical updates shared one vote (largest group: 4 clients)"
-        in text
-    )
+    assert "## Copies and degenerate rounds" in text
+    assert "- rule=ivar_vb: in 2 of 2 rounds copies shared one vote (largest group: 4 clients)" in text
     assert "rule=ivar_vb,sybils=off:" not in text
 
 

@@ -15,7 +15,7 @@ from fedtrust.aggregators.loss_defences import DEFENCES, defend, reference_losse
 from fedtrust.aggregators.mean import normalised
 from fedtrust.aggregators.passes import weighted_sum
 from fedtrust.aggregators.state import Dict, Fields, Float, check_state
-from fedtrust.aggregators.sybils import Groups, find_groups
+from fedtrust.aggregators.sybils import SYBILS, find_groups
 
 #: Each client's latest benchmark loss LS (eq 4), by id; +inf where it could not be measured.
 STATE = Fields(optional={"ls": Dict(Float(infinite=True))})
@@ -56,13 +56,13 @@ class FOCUS(BaseRule):
     credibilities alone (every count 0), then to 1/n; a benchmark loss that is not finite counts as +inf
     (see :func:`credibility`). ``info``: per client credibility, E, LS and LL.
 
-    sybils:    "share" (default): clients whose updates this round are near-duplicates
-               (:mod:`fedtrust.aggregators.sybils`) are one source. Eq 6 normalises over sources, so k
-               copies of one bad model would split the softmax mass that suppresses it and each keep a
-               credibility of 1 - 1/k: identical updates would buy trust by their number. The group enters
-               eq 6 once, with its members' mean E, and eq 8 once, with their mean count; its weight is
-               split evenly among them (``info["groups"]``). "off": every client its own source (the
-               paper).
+    sybils:    "share" (default): clients whose updates this round are near-duplicates, or whose deviations
+               from the round's median correlate above 0.95 (copies with noise added), are one source
+               (:mod:`fedtrust.aggregators.sybils`); "copies": near-duplicates only. Eq 6 normalises over
+               sources, so k copies of one bad model would split the softmax mass that suppresses it and each
+               keep a credibility of 1 - 1/k: identical updates would buy trust by their number. The group
+               enters eq 6 once, with its members' mean E, and eq 8 once, with their mean count; its weight is
+               split evenly among them (``info["groups"]``). "off": every client its own source (the paper).
     """
 
     name = "focus"
@@ -77,7 +77,7 @@ class FOCUS(BaseRule):
         self.alpha = check_float(f"{self.name}: alpha", alpha, minimum=0.0)
         self.reduction = check_choice(f"{self.name}: reduction", reduction, ("sum", "mean"))
         self.defence = check_choice(f"{self.name}: defence", defence, DEFENCES)
-        self.sybils = check_choice(f"{self.name}: sybils", sybils, ("share", "off"))
+        self.sybils = check_choice(f"{self.name}: sybils", sybils, SYBILS)
         self._ls: dict[Any, float] = {}
 
     def aggregate(self, round: Round) -> Aggregate:
@@ -94,9 +94,7 @@ class FOCUS(BaseRule):
             [self._ls.get(cid, float("nan")) for cid in round.client_ids], dtype=torch.float64, device=on
         )
         e = ls_prev + ll
-        groups = (
-            find_groups(round.updates, round.norms) if self.sybils == "share" else Groups.singletons(round.n)
-        )
+        groups = find_groups(round.updates, round.norms, sybils=self.sybils)
         # one source per group: its members' mean E (over those known) and mean count
         e_g, n_g = groups.pool(torch.where(known, e, math.nan)), groups.pool(n)
         known_g = ~torch.isnan(e_g) if not groups.trivial else known

@@ -24,13 +24,23 @@ separates copies with a little noise from honest clients that merely agree: five
 on IID shares (Fashion-MNIST one-round task, 5 local epochs) sat at 0.0016 of that scale once five
 N(0, 1) adversaries made up half the round, were merged into one vote, and IVAR-VB then followed the
 adversaries (accuracy 0.82 -> 0.15; the median scale is the adversaries' to set, so far-off noise would
-make any honest cluster look like copies). Copies with noise added are therefore separate sources here,
-and that is an open gap: an attacker who adds independent noise of 1e-6 times the honest spread to each
-copy gets its k votes back (digits, robustness setting, 2 seeds: IPM's one crafted vector at 40% takes
-screened IVAR-MLE and ICOV-VB from 0.88 to 0.00, mimic at 20% takes IVAR-MLE from 0.87 to 0.41;
-``experiments/robustness/README.md``, "Noisy copies"). A measured candidate, not yet adopted: merge groups
-whose residuals about the equal-vote mean correlate above 0.95 (a minority at most).
-Groups are the connected components of the relation.
+make any honest cluster look like copies). Groups are the connected components of the relation.
+
+Copies with noise added are found by what they share instead of by how close they are
+(:func:`correlated_groups`, ``sybils="share"``, the default): k copies of one vector t, each with
+independent noise e_i, deviate from any centre c by (t - c) + e_i, so their deviations correlate at
+|t - c|^2 / (|t - c|^2 + |e|^2), near 1 whenever the noise is small beside the offset that makes the
+copies worth sending; that is eq 3's Phi with k nearly equal rows, which its GLS weights count as about
+one source. Honest clients' deviations are their own data's and their own sampling noise's, and do not.
+The centre is the coordinate-wise median of the groups (breakdown 1/2): a minority cannot drag it so far
+that the honest clients' deviations share one large offset and correlate (with the mean as centre,
+far-off noise from a large minority would). Groups whose deviations correlate above ``CORRELATION``
+(connected components) share one vote when they hold fewer than half the round's clients; a larger
+component is left apart (the honest majority is what every rule here assumes). Without this an attacker
+who adds independent noise of 1e-6 times the honest spread to each copy gets its k votes back (digits,
+robustness setting, 2 seeds: IPM's one crafted vector at 40% took screened IVAR-MLE and ICOV-VB from 0.88
+to 0.00; ``experiments/robustness/README.md``, "Noisy copies"). ``sybils="copies"`` merges exact copies
+only.
 
 Candidate pairs come from the Gram kernel where a rule has it anyway (Krum, NNM:
 :func:`near_duplicates`; :func:`~fedtrust.aggregators.distances.pairwise_sq_distances`), otherwise from a
@@ -49,8 +59,15 @@ from functools import cached_property
 import torch
 
 from fedtrust.aggregators.chunks import column_blocks
-from fedtrust.aggregators.distances import pairwise_sq_distances
+from fedtrust.aggregators.distances import gram, pairwise_sq_distances
+from fedtrust.aggregators.median import median_window
 from fedtrust.aggregators.passes import norms_and_sketch, row_norms
+from fedtrust.aggregators.rank_windows import rank_window
+
+#: What the trust rules (IVAR, ICOV, FOCUS) group: "share" (default) copies and correlated groups
+#: (:func:`correlated_groups`), "copies" copies to the dtype's rounding only, "off" nothing (every client
+#: its own source, the papers' setting).
+SYBILS = ("share", "copies", "off")
 
 #: Near-duplicates by distance: squared distance at most this fraction of the smaller median squared
 #: distance to the others. 0: only copies to the rounding (see the module docstring for why).
@@ -58,6 +75,11 @@ RELATIVE = 0.0
 #: ... or at most this many units in the last place of the dtype per coordinate (relative to the
 #: larger of the two norms): copies that differ only by rounding.
 FLOOR_ULPS = 4
+#: Groups whose deviations from the round's coordinate-wise median correlate above this share one vote
+#: (:func:`correlated_groups`). In the noisy-sybil review (digits, Dir(0.5), 50 clients, 30 rounds) the
+#: most correlated honest pair reached 0.93, and copies with independent noise of up to 0.1 times the
+#: honest spread 0.93 to 0.999 about the equal-vote mean.
+CORRELATION = 0.95
 #: Gram-based distances within this many eps * sqrt(d) * (||x_i||^2 + ||x_j||^2) of the threshold are
 #: measured again by differences (the Gram's float32 cancellation is about that size).
 GRAM_SLACK = 8.0
@@ -227,6 +249,30 @@ def _floor(dtype: torch.dtype, norms: torch.Tensor) -> torch.Tensor:
     return (FLOOR_ULPS * torch.finfo(dtype).eps) ** 2 * big
 
 
+class _Forest:
+    """Union-find over n items: connected components of the pairs joined."""
+
+    def __init__(self, n: int):
+        self.parent = list(range(n))
+
+    def root(self, i: int) -> int:
+        parent = self.parent
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def join(self, i: int, j: int) -> None:
+        self.parent[self.root(j)] = self.root(i)
+
+    def components(self) -> list[list[int]]:
+        """The components, each ascending, ordered by first member."""
+        by_root: dict[int, list[int]] = {}
+        for i in range(len(self.parent)):
+            by_root.setdefault(self.root(i), []).append(i)
+        return sorted(by_root.values())
+
+
 def _link(
     x: torch.Tensor,
     candidate: torch.Tensor,
@@ -239,28 +285,20 @@ def _link(
     row-major order, skipping those already joined, so any candidate set that holds every linking pair
     gives the same groups and reasons."""
     n = x.shape[0]
-    parent = list(range(n))
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
+    forest = _Forest(n)
     linked: dict[tuple[int, int], float] = {}
     for i, j in torch.nonzero(torch.triu(candidate, 1)).tolist():
-        if root(i) == root(j):  # already one group: k copies take k - 1 checks, not k (k - 1) / 2
+        if forest.root(i) == forest.root(
+            j
+        ):  # already one group: k copies take k - 1 checks, not k (k - 1) / 2
             continue
         exact = float(row_norms((x[i] - x[j])[None])[0]) ** 2  # by differences: exact copies give 0
         if exact <= float(limit[i, j]):
             linked[(i, j)] = exact
-            parent[root(j)] = root(i)
+            forest.join(i, j)
     if not linked:
         return Groups.singletons(n)
-    by_root: dict[int, list[int]] = {}
-    for i in range(n):
-        by_root.setdefault(root(i), []).append(i)
-    members = tuple(tuple(m) for m in sorted(by_root.values()))
+    members = tuple(tuple(m) for m in forest.components())
     dtype = str(x.dtype).removeprefix("torch.")
     reasons = {}
     for g, group in enumerate(members):
@@ -284,18 +322,74 @@ def _link(
     return Groups(members, reasons, n)
 
 
+def correlated_groups(x: torch.Tensor, groups: Groups, threshold: float = CORRELATION) -> Groups:
+    """``groups`` (a partition of the rows of ``x``, (n, d): the copies) with the groups whose deviations
+    from the coordinate-wise median of the groups' means correlate above ``threshold`` merged, where a
+    component holds fewer than half the n clients; see the module docstring. One selection pass for the
+    median and one Gram pass over the groups' deviations (n^2 d products, on x's device)."""
+    count = groups.count
+    if count < 3:
+        return groups
+    reps = x if groups.trivial else groups.means(x)
+    centre = rank_window(reps, *median_window(count))[0]
+    g = gram(reps, centre).cpu()
+    if not bool(torch.isfinite(g).all()):
+        return groups
+    spread = g.diagonal().sqrt()
+    scale = spread[:, None] * spread[None, :]
+    corr = torch.where(scale > 0, g / torch.where(scale > 0, scale, torch.ones_like(scale)), 0.0)
+    forest = _Forest(count)
+    pairs = torch.nonzero(torch.triu(corr > threshold, 1)).tolist()
+    for i, j in pairs:
+        forest.join(i, j)
+    members: list[tuple[int, ...]] = []
+    merged: dict[tuple[int, ...], str] = {}
+    for component in forest.components():
+        clients = tuple(sorted(m for k in component for m in groups.members[k]))
+        if len(component) > 1 and 2 * len(clients) < groups.n:
+            weakest = min(float(corr[i, j]) for i, j in pairs if i in component)
+            members.append(clients)
+            merged[clients] = (
+                f"{len(clients)} updates share one vote: their deviations from the round's coordinate-wise "
+                f"median correlate (linked at {weakest:.3f} or more, above {threshold:g}), the information "
+                "of about one source"
+            )
+        else:
+            members.extend(groups.members[k] for k in component)
+    if not merged:
+        return groups
+    ordered = tuple(sorted(members))
+    old = {groups.members[k]: reason for k, reason in groups.reasons.items()}
+    reasons = {g: merged.get(m) or old[m] for g, m in enumerate(ordered) if m in merged or m in old}
+    return Groups(ordered, reasons, groups.n)
+
+
 def all_identical(x: torch.Tensor) -> bool:
     """Whether every row of ``x`` equals the first, bit for bit (NaN never does). Chunk by chunk, so rows
     that differ are usually told apart in the first chunk."""
     return all(bool((x[:, cols] == x[:1, cols]).all()) for cols in column_blocks(x))
 
 
-def find_groups(x: torch.Tensor, norms: torch.Tensor | None = None, relative: float = RELATIVE) -> Groups:
-    """The near-duplicate groups among the rows of ``x`` (a round's updates): from one sketching pass
-    (:func:`sketched_duplicates`) for copies to the rounding, from one Gram matrix when ``relative`` > 0;
-    ``norms``: the rows' norms when known."""
+def find_groups(
+    x: torch.Tensor,
+    norms: torch.Tensor | None = None,
+    relative: float = RELATIVE,
+    *,
+    sketch: torch.Tensor | None = None,
+    sybils: str = "share",
+) -> Groups:
+    """The groups that share a vote among the rows of ``x`` (a round's updates) under ``sybils``
+    (:data:`SYBILS`): the copies from one sketching pass (:func:`sketched_duplicates`; ``sketch`` when
+    taken already, with ``norms`` the rows' norms when known), from one Gram matrix when ``relative`` > 0;
+    with "share" also the correlated groups (:func:`correlated_groups`)."""
+    if sybils == "off":
+        return Groups.singletons(x.shape[0])
     if relative > 0:
         sq_dist, gram_norms = pairwise_sq_distances(x)
-        return near_duplicates(x, sq_dist, gram_norms if norms is None else norms, relative)
-    own, sketch = norms_and_sketch(x, SKETCH_WIDTH)
-    return sketched_duplicates(x, sketch, own if norms is None else norms)
+        groups = near_duplicates(x, sq_dist, gram_norms if norms is None else norms, relative)
+    else:
+        if sketch is None:
+            own, sketch = norms_and_sketch(x, SKETCH_WIDTH)
+            norms = own if norms is None else norms
+        groups = sketched_duplicates(x, sketch, row_norms(x) if norms is None else norms)
+    return correlated_groups(x, groups) if sybils == "share" else groups

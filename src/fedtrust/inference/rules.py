@@ -8,17 +8,19 @@ consensus; where those are not a distribution (VB shrinks towards zero, ICOV may
 client) the weights are their positive part normalised, and the exact coefficients are in
 ``info["clients"]["coefficient"]``.
 
-Copies share one vote (``sybils="share"``, the default; :mod:`fedtrust.aggregators.sybils`): the
-estimators read agreement as reliability, so k identical updates would buy the trust of k independent
-sources that agree perfectly. Their own model says k perfectly correlated sources carry the information
-of one (eq 3's GLS weights with k equal rows of Phi), as FoolsGold's similarity discount does (Fung,
-Yoon, Beschastnikh, RAID 2020). So each round's near-duplicate updates are grouped, the estimator runs on
-one representative per group (the group's mean) and the representative's coefficient is split evenly
-among the members; ``info["groups"]`` lists the groups and why. The window state stays keyed by client
-id: a representative starts from its members' pooled estimates (the mean of their noise, factors and past
-statistics, over the members that have them) and every member keeps the representative's, so a group
-may form, change or dissolve from one round to the next. ``sybils="off"`` treats every client as its own
-source (the papers' setting).
+Copies share one vote (``sybils="share"``, the default; :mod:`fedtrust.aggregators.sybils`): the estimators
+read agreement as reliability, so k identical updates would buy the trust of k independent sources that agree
+perfectly. Their own model says k perfectly correlated sources carry the information of one (eq 3's GLS
+weights with k equal rows of Phi), as FoolsGold's similarity discount does (Fung, Yoon, Beschastnikh, RAID
+2020). So each round's near-duplicate updates are grouped, and so are groups whose deviations from the round's
+median correlate above 0.95 (copies with independent noise added:
+:func:`~fedtrust.aggregators.sybils.correlated_groups`; ``sybils="copies"`` groups exact copies only); the
+estimator runs on one representative per group (the group's mean) and the representative's coefficient is
+split evenly among the members; ``info["groups"]`` lists the groups and why. The window state stays keyed by
+client id: a representative starts from its members' pooled estimates (the mean of their noise, factors and
+past statistics, over the members that have them) and every member keeps the representative's, so a group may
+form, change or dissolve from one round to the next. ``sybils="off"`` treats every client as its own source
+(the papers' setting).
 
 ``weighting="precision"`` (the default, the papers') weights each client by its coefficient in the
 consensus; ``weighting="screen"`` uses the same fit as a screen instead (:mod:`fedtrust.inference.screen`):
@@ -64,7 +66,7 @@ from fedtrust.aggregators.state import (
     symmetric_positive_definite,
     symmetric_positive_semidefinite,
 )
-from fedtrust.aggregators.sybils import SKETCH_WIDTH, Groups, all_identical, sketched_duplicates
+from fedtrust.aggregators.sybils import SKETCH_WIDTH, SYBILS, Groups, all_identical, find_groups
 from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, latent_init
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
 from fedtrust.inference.result import ConvergenceWarning
@@ -81,7 +83,6 @@ def _task(round: Round, norms: torch.Tensor | None) -> Tasks:
 
 
 #: How a group of near-duplicate updates is treated: "share" one vote among them, or "off" (each its own).
-SYBILS = ("share", "off")
 #: What the estimates become: the papers' "precision" weights (each client's consensus coefficient), or
 #: a "screen" (:mod:`fedtrust.inference.screen`: a minority far from the consensus dropped, equal votes).
 WEIGHTINGS = ("precision", "screen")
@@ -122,8 +123,8 @@ def _trust(coefficients: torch.Tensor) -> torch.Tensor:
 class _WindowRule(BaseRule):
     """Shared window bookkeeping: ``window`` rounds (this one included) inform each client's estimates.
     The first pass takes the updates' norms and, with ``sybils="share"``, their sketch, from which the
-    near-duplicate groups are found (:func:`~fedtrust.aggregators.sybils.sketched_duplicates`): the same
-    norms either way, so a round without copies gives the same numbers shared or not. The window state
+    near-duplicate groups are found (:func:`~fedtrust.aggregators.sybils.find_groups`): the same
+    norms either way, so a round without groups gives the same numbers shared or not. The window state
     changes only once the estimator returns.
 
     The state is a plain tree (what ``state_dict`` returns and ``load_state_dict`` checks against
@@ -236,7 +237,7 @@ class _WindowRule(BaseRule):
             if round.n > 1 and all_identical(round.updates):
                 return Groups.one(round.n, f"{round.n} identical updates")
             return Groups.singletons(round.n)
-        return sketched_duplicates(round.updates, first.value, first.norms)
+        return find_groups(round.updates, first.norms, sketch=first.value, sybils=self.sybils)
 
     def _share_info(self, round: Round, groups: Groups) -> dict:
         return {} if self.sybils == "off" else {"groups": groups.info(round.client_ids)}

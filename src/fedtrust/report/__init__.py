@@ -156,27 +156,29 @@ def _left_out(runs: list[Run]) -> list[str]:
 
 
 def _shared_votes(runs: list[Run]) -> list[str]:
-    """A section listing the runs in which groups of near-identical updates shared one vote, or rounds
-    were degenerate (with the first reason); nothing when there are none."""
+    """A section listing the runs in which groups of copies (identical, near-identical or correlated
+    updates) shared one vote, or rounds were degenerate (with the first reason); nothing when there are
+    none."""
     lines = []
     for r in runs:
         rounds, largest = r.shared_votes()
         reasons = r.degenerate()
         if rounds:
             lines.append(
-                f"- {r.directory.name}: in {rounds} of {len(r.rounds)} rounds near-identical updates shared "
-                f"one vote (largest group: {largest} clients)"
+                f"- {r.directory.name}: in {rounds} of {len(r.rounds)} rounds copies shared one vote "
+                f"(largest group: {largest} clients)"
             )
         if reasons:
             lines.append(f"- {r.directory.name}: {len(reasons)} degenerate rounds; the first: {reasons[0]}")
     if not lines:
         return []
     head = [
-        "## Identical updates and degenerate rounds",
+        "## Copies and degenerate rounds",
         "",
-        "Clients whose updates are identical or near-identical (copies, sybils) share one vote in the "
-        "rules that read agreement as reliability; each round lists its groups in `info.groups` in the "
-        "run's rounds.jsonl, and a degenerate round its reason in `info.degenerate`.",
+        "Clients whose updates are copies (identical, near-identical, or deviating from the round's median "
+        "in correlation above 0.95: sybils, colluders, clients that share one data distribution) share one "
+        "vote in the rules that read agreement as reliability; each round lists its groups and why in "
+        "`info.groups` in the run's rounds.jsonl, and a degenerate round its reason in `info.degenerate`.",
         "",
     ]
     return head + lines + [""]

@@ -152,9 +152,9 @@ class Run:
         return sum(c is False for c in fits), len(fits)
 
     def shared_votes(self) -> tuple[int, int]:
-        """(rounds in which groups of identical or near-identical updates shared one vote, the largest
-        such group's size): read from each round's ``info["groups"]`` (IVAR/ICOV and FOCUS with
-        ``sybils="share"``, robust FedAG over them)."""
+        """(rounds in which groups of copies (identical, near-identical or correlated updates) shared one
+        vote, the largest such group's size): read from each round's ``info["groups"]`` (IVAR/ICOV and
+        FOCUS with ``sybils="share"``, robust FedAG over them)."""
         sizes = [
             max(len(g["clients"]) for g in r["info"]["groups"])
             for r in self.rounds
