@@ -288,9 +288,8 @@ def _link(
     forest = _Forest(n)
     linked: dict[tuple[int, int], float] = {}
     for i, j in torch.nonzero(torch.triu(candidate, 1)).tolist():
-        if forest.root(i) == forest.root(
-            j
-        ):  # already one group: k copies take k - 1 checks, not k (k - 1) / 2
+        # already one group: k copies take k - 1 checks, not k (k - 1) / 2
+        if forest.root(i) == forest.root(j):
             continue
         exact = float(row_norms((x[i] - x[j])[None])[0]) ** 2  # by differences: exact copies give 0
         if exact <= float(limit[i, j]):

@@ -82,7 +82,6 @@ def _task(round: Round, norms: torch.Tensor | None) -> Tasks:
     return Tasks(round.updates[None], present, norms=None if norms is None else norms[None])
 
 
-#: How a group of near-duplicate updates is treated: "share" one vote among them, or "off" (each its own).
 #: What the estimates become: the papers' "precision" weights (each client's consensus coefficient), or
 #: a "screen" (:mod:`fedtrust.inference.screen`: a minority far from the consensus dropped, equal votes).
 WEIGHTINGS = ("precision", "screen")
