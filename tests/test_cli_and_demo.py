@@ -200,6 +200,14 @@ def broken_manifest(tmp_path):
             lambda t: ["infer", str(_write(t / "e.csv", "a,b\n1,x\n"))],
             r"line 2, source 'b': 'x' is not a number",
         ),
+        (
+            lambda t: ["infer", str(_write(t / "e.csv", "task,a,b,a\nt0,1,2,3\n"))],
+            r"e.csv, line 1: source 'a' names columns 2 and 4; each source needs its own name",
+        ),
+        (
+            lambda t: ["infer", str(_write(t / "e.csv", "a,,b\n1,2,3\n"))],
+            r"e.csv, line 1: column 2 has no source name; name every source",
+        ),
         (lambda t: ["report", str(broken_manifest(t))], r"unreadable: .*m/manifest.json is empty"),
     ],
 )

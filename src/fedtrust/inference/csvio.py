@@ -45,6 +45,17 @@ def read_estimates(path: str | Path) -> tuple[list[str], list[str], torch.Tensor
         )
     has_ids = header[0].lower() in _ID_HEADERS
     sources = header[1:] if has_ids else header
+    first = 2 if has_ids else 1  # the sources' first column, counted from 1 as a spreadsheet does
+    seen: dict[str, int] = {}
+    for k, source in enumerate(sources, start=first):
+        if not source:
+            raise ValueError(f"{path}, line {lines[0]}: column {k} has no source name; name every source")
+        if source in seen:
+            raise ValueError(
+                f"{path}, line {lines[0]}: source {source!r} names columns {seen[source]} and {k}; each "
+                "source needs its own name (its results are written by name)"
+            )
+        seen[source] = k
     tasks, values = [], []
     for k, (n, row) in enumerate(zip(lines[1:], rows[1:], strict=True)):
         cells = row[1:] if has_ids else row
