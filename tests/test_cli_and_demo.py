@@ -205,6 +205,10 @@ def broken_manifest(tmp_path):
             r"e.csv, line 1: source 'a' names columns 2 and 4; each source needs its own name",
         ),
         (
+            lambda t: ["infer", str(_write(t / "e.csv", "task,a\nt0,1\nt1,2\n"))],
+            r"e.csv: one source \('a'\); truth inference needs two or more",
+        ),
+        (
             lambda t: ["infer", str(_write(t / "e.csv", "a,,b\n1,2,3\n"))],
             r"e.csv, line 1: column 2 has no source name; name every source",
         ),

@@ -223,6 +223,11 @@ def infer(
     try:
         fn = lookup("method", METHODS, method)
         tasks, sources, x = read_estimates(estimates)
+        if len(sources) < 2:
+            raise ValueError(
+                f"{estimates}: one source ({sources[0]!r}); truth inference needs two or more, since with "
+                "one nothing tells its noise from the truths' own spread"
+            )
         options = {"latent_dim": latent_dim, "source_keys": sources} if method.startswith("icov") else {}
         if max_iter is not None or method.startswith("ivar"):
             options["max_iter"] = max_iter or IVAR_BUDGET
