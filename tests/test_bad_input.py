@@ -93,6 +93,9 @@ def test_round_accepts_numpy_lists_and_half_precision():
     assert r.updates.dtype == torch.float64 and r.client_ids == (7, 8, 9)
     assert Round(updates=torch.ones(2, 2, dtype=torch.float16)).updates.dtype == torch.float32
     assert Round(updates=[[1.0, 2.0]]).n == 1
+    x = np.arange(6.0).reshape(3, 2)
+    flipped = Round(updates=x[::-1], num_samples=np.array([1, 2, 3])[::-1])  # views torch cannot share
+    assert flipped.updates.tolist() == x[::-1].tolist() and flipped.num_samples.tolist() == [3, 2, 1]
 
 
 def test_rule_rejects_something_that_is_not_a_round():

@@ -70,7 +70,10 @@ def _as_tensor(field_name: str, value: Any, device: torch.device | None = None) 
             raise ValueError(f"{field_name}: the rows must have one shape ({exc})") from None
     else:
         try:
-            t = torch.as_tensor(np.asarray(value))
+            array = np.asarray(value)
+            if any(stride < 0 for stride in array.strides):  # a reversed view, which torch cannot share
+                array = np.ascontiguousarray(array)
+            t = torch.as_tensor(array)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"{field_name} must be array-like numbers, got {type(value).__name__}") from exc
     if t.dtype == torch.bool or t.is_complex():
