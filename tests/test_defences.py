@@ -166,6 +166,8 @@ def test_flame_adds_gaussian_noise_of_std_lambda_times_the_median_norm():
     torch.testing.assert_close(noisy.weights, quiet.weights)
     again = rule("flame", noise=0.01)(Round(updates=x))
     torch.testing.assert_close(again.vector, noisy.vector, rtol=0, atol=0)  # seeded by (seed, round)
+    with pytest.raises(ValueError, match=r"flame: noise must be <= 1.0, got 1e\+308"):
+        rule("flame", noise=1e308)  # its aggregate was inf
 
 
 def test_flame_admits_every_client_of_a_round_of_two():

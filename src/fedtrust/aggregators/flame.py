@@ -67,8 +67,9 @@ class FLAME(SeededCalls, BaseRule):
     direction of a poisoned update shows (the models' cosines are all near 1, dominated by the shared
     G_{t-1}).
 
-    noise: lambda, 0.001 by default (the paper's value for image classification); 0 gives a
-           deterministic rule.
+    noise: lambda, 0.001 by default (the paper's value for image classification), at most 1 (a noise
+           std per coordinate as large as the whole clipping bound: beyond it the noise drowns any model,
+           and 1e308 made the aggregate inf); 0 gives a deterministic rule.
     seed:  the noise of round t comes from a stream keyed by (seed, t)
            (:class:`~fedtrust.aggregators.state.SeededCalls`; ``state_dict`` holds t).
 
@@ -83,7 +84,7 @@ class FLAME(SeededCalls, BaseRule):
     paper = "Nguyen et al. 2022, FLAME: Taming Backdoors in Federated Learning (USENIX Security), Algorithm 1"
 
     def __init__(self, noise: float = 0.001, seed: int = 0):
-        self.noise = check_float(f"{self.name}: noise", noise, minimum=0.0)
+        self.noise = check_float(f"{self.name}: noise", noise, minimum=0.0, maximum=1.0)
         self.seed = check_seed(f"{self.name}: seed", seed)
 
     def aggregate(self, round: Round) -> Aggregate:
