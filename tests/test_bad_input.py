@@ -243,6 +243,11 @@ def test_unknown_option_lists_the_valid_options():
         ("geometric_median", {"weighted": "yes"}, r"weighted must be True or False, got 'yes'"),
         ("centered_clipping", {"tau": math.inf}, r"centered_clipping: tau must be finite, got inf"),
         ("cfl", {"max_cross_similarity": 2.0}, r"cfl: max_cross_similarity must be <= 1.0, got 2.0"),
+        (
+            "centered_clipping",
+            {"n_iter": 10**9},
+            r"centered_clipping: n_iter must be <= 1000, got 1000000000",
+        ),
     ],
 )
 def test_bad_option_values_name_the_option_and_value(name, options, message):
@@ -478,3 +483,16 @@ def test_an_attack_context_refuses_a_mask_that_is_not_bool_and_mimic_survives_a_
     nan = torch.full((8, 4), math.nan)
     sent = sent_by(attack("mimic"), AttackContext(nan, bad, torch.zeros(4), "params", torch.Generator()))
     assert sent.shape == (2, 4)  # a copy of a NaN row: the server quarantines it; the round goes on
+
+
+@pytest.mark.parametrize("name", ["ivar_mle", "icov_vb"])
+def test_a_window_longer_than_any_run_keeps_every_round(name):
+    """window=10**30 overflowed the history's deque (OverflowError in every round); it means every round,
+    and the state round-trips."""
+    agg = rule(name, window=10**30, **({"max_iter": 20} if name == "icov_vb" else {}))
+    x = torch.randn(6, 30, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        agg(Round(updates=x, client_ids=list("abcdef")))
+    assert len(agg.state_dict()["history"]) == 3  # every round so far, for the next
+    again = rule(name, window=10**30)
+    again.load_state_dict(agg.state_dict())

@@ -11,12 +11,14 @@ import torch
 from pydantic import BaseModel, ValidationInfo, field_validator
 
 
-def check_int(field: str, value: Any, *, minimum: int | None = None) -> int:
+def check_int(field: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """Return ``value`` as an int, or raise naming ``field`` (bools are not ints here)."""
     if isinstance(value, bool) or not isinstance(value, Integral):
         raise TypeError(f"{field} must be an integer, got {value!r} ({type(value).__name__})")
     if minimum is not None and value < minimum:
         raise ValueError(f"{field} must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{field} must be <= {maximum}, got {value!r}")
     return int(value)
 
 

@@ -18,6 +18,10 @@ from fedtrust.aggregators.state import Fields, Tensor, check_state
 STATE = Fields(optional={"center": Tensor(("d",), dtype=None)})
 
 
+#: The most iterations ``n_iter`` may ask for: 10**9 had a round run for hours.
+MAX_ITERATIONS = 1000
+
+
 class CenteredClipping(BaseRule):
     """Centered clipping, iterated ``n_iter`` times from the previous round's output v:
 
@@ -38,7 +42,8 @@ class CenteredClipping(BaseRule):
 
     def __init__(self, tau: float = 10.0, n_iter: int = 1):
         self.tau = check_float(f"{self.name}: tau", tau, minimum=0.0, strict_min=True)
-        self.n_iter = check_int(f"{self.name}: n_iter", n_iter, minimum=1)
+        # each iteration is a pass over the round; a few suffice
+        self.n_iter = check_int(f"{self.name}: n_iter", n_iter, minimum=1, maximum=MAX_ITERATIONS)
         self._center: torch.Tensor | None = None
 
     def first_pass(self, round: Round) -> FirstPass:  # the distances to the centre take the norms

@@ -38,6 +38,7 @@ without its correlated part), the reason in ``info["fallback"]``, the ICOV state
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections import deque
 from collections.abc import Mapping
@@ -163,12 +164,15 @@ class _WindowRule(BaseRule):
         weighting: str = "precision",
     ):
         self.window = check_int(f"{self.name}: window", window, minimum=1)
+        # earlier rounds kept: a window longer than any run keeps every round (a deque holds at most
+        # sys.maxsize; window=10**30 overflowed it)
+        self._kept = min(self.window - 1, sys.maxsize)
         self.max_iter = check_int(f"{self.name}: max_iter", max_iter, minimum=1)
         # None: the estimator's default, derived from the updates' dtype (fedtrust._checks.stopping_tol)
         self.tol = check_tol(f"{self.name}: tol", tol)
         self.sybils = check_choice(f"{self.name}: sybils", sybils, SYBILS)
         self.weighting = check_choice(f"{self.name}: weighting", weighting, WEIGHTINGS)
-        self._history: deque = deque(maxlen=self.window - 1)
+        self._history: deque = deque(maxlen=self._kept)
         self._clients: dict[Any, dict[str, Any]] = {}  # client id -> its persistent estimates
         self._shared: dict[str, Any] = {}  # global estimates (ICOV hyper-parameters)
         self._warned_convergence = False  # a ConvergenceWarning is raised once per rule object
@@ -316,7 +320,7 @@ class _WindowRule(BaseRule):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         state = check_state(self.name, self._state_spec(), state)  # everything checked, then kept
-        self._history = deque(state.get("history", []), maxlen=self.window - 1)
+        self._history = deque(state.get("history", []), maxlen=self._kept)
         self._clients = state.get("clients", {})
         self._shared = state.get("shared", {})
 
