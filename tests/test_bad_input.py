@@ -98,6 +98,18 @@ def test_round_accepts_numpy_lists_and_half_precision():
     assert flipped.updates.tolist() == x[::-1].tolist() and flipped.num_samples.tolist() == [3, 2, 1]
 
 
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_updates_are_read_as_dense(layout):
+    """A sparse round (torch's COO or CSR layout, as a sparse gradient gives) failed inside numpy or a
+    kernel ("Sparse CSR tensors do not have strides"); it is the same round dense."""
+    x = torch.randn(5, 10, generator=torch.Generator().manual_seed(0))
+    x[x.abs() < 0.8] = 0
+    sparse = x.to_sparse() if layout == "coo" else x.to_sparse_csr()
+    for updates in (sparse, list(sparse.to_dense().to_sparse())):
+        out = rule("median")(Round(updates=updates, client_ids=list("abcde")))
+        torch.testing.assert_close(out.vector, rule("median")(Round(updates=x)).vector)
+
+
 def test_rule_rejects_something_that_is_not_a_round():
     with pytest.raises(TypeError, match="expected a fedtrust Round, got ndarray"):
         rule("median")(np.zeros((3, 3)))

@@ -60,12 +60,19 @@ class NoValidUpdates(RoundRefused):
         self.quarantined = dict(quarantined or {})
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached (a server reads values; no rule differentiates through a round) and strided: a
+    sparse update (COO, CSR, ...) is made dense, which every rule reads."""
+    t = t.detach()
+    return t if t.layout == torch.strided else t.to_dense()
+
+
 def _as_tensor(field_name: str, value: Any, device: torch.device | None = None) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        t = value.detach()  # a server reads values; no rule differentiates through a round
+        t = _dense(value)
     elif isinstance(value, list | tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
         try:
-            t = torch.stack([v.detach() for v in value])
+            t = torch.stack([_dense(v) for v in value])
         except RuntimeError as exc:
             raise ValueError(f"{field_name}: the rows must have one shape ({exc})") from None
     else:
@@ -122,7 +129,8 @@ class Round:
     """What the server knows this round (see DESIGN.md, "The one core contract").
 
     updates:      (n, d) floating tensor, one flat vector per reporting client (parameters or deltas).
-                  float16/bfloat16 are computed in float32; float64 stays float64.
+                  float16/bfloat16 are computed in float32; float64 stays float64; a sparse tensor
+                  (or a list of them) is made dense, and a numpy array or nested list taken as one.
     client_ids:   n distinct stable ids (rules that learn reputation key their state by id);
                   default ``0..n-1``.
     num_samples:  (n,) reported sample counts; default all ones. A client's non-finite or negative
