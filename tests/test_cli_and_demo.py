@@ -209,6 +209,10 @@ def broken_manifest(tmp_path):
             r"e.csv: one source \('a'\); truth inference needs two or more",
         ),
         (
+            lambda t: ["infer", str(_write(t / "e.csv", "task\nt0\nt1\n"))],
+            r"e.csv: no source columns; truth inference needs two or more",
+        ),
+        (
             lambda t: ["infer", str(_write(t / "e.csv", "a,,b\n1,2,3\n"))],
             r"e.csv, line 1: column 2 has no source name; name every source",
         ),

@@ -224,9 +224,10 @@ def infer(
         fn = lookup("method", METHODS, method)
         tasks, sources, x = read_estimates(estimates)
         if len(sources) < 2:
+            named = f"one source ({sources[0]!r})" if sources else "no source columns"
             raise ValueError(
-                f"{estimates}: one source ({sources[0]!r}); truth inference needs two or more, since with "
-                "one nothing tells its noise from the truths' own spread"
+                f"{estimates}: {named}; truth inference needs two or more, since with one nothing tells "
+                "its noise from the truths' own spread"
             )
         options = {"latent_dim": latent_dim, "source_keys": sources} if method.startswith("icov") else {}
         if max_iter is not None or method.startswith("ivar"):
