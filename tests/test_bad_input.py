@@ -508,3 +508,18 @@ def test_a_window_longer_than_any_run_keeps_every_round(name):
     assert len(agg.state_dict()["history"]) == 3  # every round so far, for the next
     again = rule(name, window=10**30)
     again.load_state_dict(agg.state_dict())
+
+
+def test_a_loss_beyond_float32_is_quarantined_saying_it_overflowed():
+    """Metrics take the updates' dtype, so a float32 round reads a reported loss of 1e300 as inf: the
+    reason says so, rather than that the client sent inf."""
+    r = Round(
+        updates=torch.randn(5, 10, generator=torch.Generator().manual_seed(0)),
+        client_ids=list("abcde"),
+        metrics={"train_loss": torch.tensor([0.5, 0.6, 0.7, 1e300, 0.4], dtype=torch.float64)},
+    )
+    out = rule("arfl")(r)
+    assert out.info["quarantined"] == {
+        "d": "metric train_loss=inf is not finite in float32, the round's dtype (a value beyond 3.4e+38 "
+        "overflows it)"
+    }

@@ -110,7 +110,17 @@ def _screen_scalars(round: Round, requires: Sequence[str], rule: str) -> dict[in
             )
         values = round.metrics[name]
         for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist():
-            bad.setdefault(i, f"metric {name}={values[i].item()!r} is not finite")
+            value = values[i].item()
+            # metrics take the updates' dtype: an infinite one may have been a finite value beyond its range
+            beyond = (
+                ""
+                if math.isnan(value)
+                else (
+                    f" in {str(values.dtype).removeprefix('torch.')}, the round's dtype (a value beyond "
+                    f"{torch.finfo(values.dtype).max:.3g} overflows it)"
+                )
+            )
+            bad.setdefault(i, f"metric {name}={value!r} is not finite{beyond}")
     return bad
 
 
