@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from fedtrust.aggregators.sybils import CORRELATION
 from fedtrust.report.figures import calibration, metric_curves, sweep_curves, trust_heatmaps
 from fedtrust.report.results import Cell, Run, is_replicate, load_runs, missing, table
 from fedtrust.report.style import slug
@@ -176,7 +177,8 @@ def _shared_votes(runs: list[Run]) -> list[str]:
         "## Copies and degenerate rounds",
         "",
         "Clients whose updates are copies (identical, near-identical, or deviating from the round's median "
-        "in correlation above 0.95: sybils, colluders, clients that share one data distribution) share one "
+        f"in correlation above {CORRELATION:g}: sybils, colluders, clients that share one data distribution) "
+        "share one "
         "vote in the rules that read agreement as reliability; each round lists its groups and why in "
         "`info.groups` in the run's rounds.jsonl, and a degenerate round its reason in `info.degenerate`.",
         "",

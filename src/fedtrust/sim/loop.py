@@ -95,8 +95,8 @@ class Simulation:
         self.vector = self.initial.clone()
         self.evaluation = evaluation or default_evaluation(model, federation, settings, seed)
         self.failure: str | None = None  # why the last run failed (see run), None when it did not
-        # the last round made the global model non-finite (True), or its outputs (a str saying so)
-        self.diverged: bool | str = False
+        # how the last round's global model diverged ("went non-finite", or its outputs did), or None
+        self.diverged: str | None = None
         convolutional = any(isinstance(m, torch.nn.Conv2d) for m in model.module.modules())
         if settings.executor == "batched" and model.num_buffers:
             raise ValueError(
@@ -237,7 +237,8 @@ class Simulation:
         rule_began = time.perf_counter()
         before = self.initial if self.settings.mode == "one_round" else self.vector
         result = server_step(self.rule, round_, self.vector, self._after)
-        self.vector, self.diverged = result.vector, result.diverged
+        self.vector = result.vector
+        self.diverged = "went non-finite" if result.diverged else None
         if result.applied:
             self.evaluation.observe(t, self.vector, result.aggregate, before + round_.updates, chosen)
         rule_seconds = time.perf_counter() - rule_began
@@ -245,7 +246,7 @@ class Simulation:
         if t == self.rounds or t % self.settings.eval_every == 0:
             evaluated = self.evaluation(t, self.vector)
             overflow = [k for k in ("loss", "rmse") if not math.isfinite((evaluated or {}).get(k, 0.0))]
-            if overflow and not self.diverged:  # finite weights whose outputs overflow: no usable model
+            if overflow and self.diverged is None:  # finite weights whose outputs overflow: no usable model
                 self.diverged = f"gave a non-finite test {overflow[0]} (its outputs overflow)"
         corrupted = self.fed.corrupted[chosen].tolist()
         losses = round_.metrics.get("train_loss")
@@ -352,8 +353,7 @@ class Simulation:
             if on_round is not None:
                 on_round(record)
             if diverged:
-                how = diverged if isinstance(diverged, str) else "went non-finite"
-                self.failure = f"the global model {how} in round {t} (diverged); the run stopped"
+                self.failure = f"the global model {diverged} in round {t} (diverged); the run stopped"
                 return
 
     def _save_predictions(self, store: RunStore) -> None:
