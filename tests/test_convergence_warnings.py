@@ -103,3 +103,17 @@ def test_a_report_whose_rounds_all_converged_says_nothing_about_convergence(tmp_
     digits_runs(tmp_path, 2, {"name": "ivar_mle"})
     text = write_report(tmp_path / "t").read_text()
     assert "max_iter" not in text and "converg" not in text
+
+
+def test_weights_flipping_between_two_floats_have_converged_not_stalled():
+    """At the rounding floor the weights may flip between two neighbouring floats, moving by the same
+    amount every step. IVAR-VB warm-started at its own fixed point (50 x 1e5) did so at 8.33e-17 for 200
+    iterations and reported 'stopped at its iteration limit without converging'. Equal changes are not a
+    geometric tail still shrinking towards a far fixed point; a tail that shrinks at every step is."""
+    from fedtrust.inference.result import FLOOR_STEPS, converged
+
+    tol = 7.6e-6
+    assert converged([8.33e-17] * FLOOR_STEPS, tol)
+    assert not converged([8.33e-17] * (FLOOR_STEPS - 1), tol)  # not yet enough steps to tell
+    slow = [1e-6 * 0.999**k for k in range(FLOOR_STEPS)]  # within tol, 1e-3 of the way per step
+    assert not converged(slow, tol)  # the rest of the way, 1e-3, is far above tol
