@@ -5,6 +5,7 @@ keep small distances exact when the rows share a large common component."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -37,19 +38,56 @@ def gram(x: torch.Tensor, center: str | torch.Tensor | None = None) -> torch.Ten
     """(n, n) float64 Gram matrix of the rows of ``x`` after subtracting a centre.
 
     center: None (raw rows), ``"mean"`` (each coordinate's mean over clients, which removes the
-    common component and with it most of the float32 cancellation), or a (d,) anchor vector.
-    Each chunk's product is a float32 GEMM; chunks accumulate in float64.
+    common component and with it most of the float32 cancellation), or a (d,) anchor vector
+    (:func:`moments_about`). Each chunk's product is a float32 GEMM; chunks accumulate in float64.
     """
+    if isinstance(center, torch.Tensor):
+        return moments_about(x, center).gram
     n = x.shape[0]
     g = torch.zeros(n, n, dtype=torch.float64, device=x.device)
     for cols in column_blocks(x, "stream"):
         c = x[:, cols]
-        if isinstance(center, torch.Tensor):
-            c = c - center[cols]
-        elif center == "mean":
+        if center == "mean":
             c = c - c.mean(0)
         g += row_gram(c).to(torch.float64)
     return g
+
+
+class Moments(NamedTuple):
+    """The second moments of the rows x_i of an (n, d) matrix about a centre c, float64: ``gram`` (n, n)
+    r_i . r_j of the deviations r_i = x_i - c, ``cross`` (n,) r_i . c, ``centre_sq`` () ||c||^2. Every
+    inner product of combinations of the rows follows (sum_i b_i x_i = sum_i b_i r_i + (sum_i b_i) c), so
+    an estimator iterating on them needs no further pass over the rows
+    (:class:`~fedtrust.inference.tasks.TaskGram` is the same three per task)."""
+
+    gram: torch.Tensor
+    cross: torch.Tensor
+    centre_sq: torch.Tensor
+
+    def combined(self, a: torch.Tensor) -> Moments:
+        """The moments of the rows of ``a @ x`` about the same centre, for ``a`` (m, n) whose rows sum to 1
+        (each new row a weighted mean of the old: its deviation is the same mean of their deviations)."""
+        a = a.to(self.gram)
+        return Moments(a @ self.gram @ a.T, a @ self.cross, self.centre_sq)
+
+    def cpu(self) -> Moments:
+        return Moments(*(t.cpu() for t in self))
+
+
+def moments_about(x: torch.Tensor, centre: torch.Tensor) -> Moments:
+    """The rows' :class:`Moments` about ``centre`` (d,), in one pass over ``x`` (n, d) on its device: per
+    column block the deviations' float32 Gram (one GEMM) and their products with the centre, summed in
+    float64. A centre among the rows (a median) leaves no large common component to cancel."""
+    n = x.shape[0]
+    f64 = dict(dtype=torch.float64, device=x.device)
+    g, cross, centre_sq = torch.zeros(n, n, **f64), torch.zeros(n, **f64), torch.zeros((), **f64)
+    for cols in column_blocks(x, "stream"):
+        c = centre[cols]
+        r = x[:, cols] - c
+        g += row_gram(r).to(torch.float64)
+        cross += (r @ c).to(torch.float64)
+        centre_sq += c.dot(c).to(torch.float64)
+    return Moments(g, cross, centre_sq)
 
 
 def sq_distances_from_gram(g: torch.Tensor) -> torch.Tensor:

@@ -53,13 +53,13 @@ same groups.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
 
 from fedtrust.aggregators.chunks import column_blocks
-from fedtrust.aggregators.distances import gram, pairwise_sq_distances
+from fedtrust.aggregators.distances import Moments, moments_about, pairwise_sq_distances
 from fedtrust.aggregators.median import median_window
 from fedtrust.aggregators.passes import norms_and_sketch, row_norms
 from fedtrust.aggregators.rank_windows import rank_window
@@ -101,11 +101,15 @@ SKETCH_SLACK = 64.0
 class Groups:
     """A partition of a round's n clients (positions) into groups that share one vote: ``members`` one
     tuple of positions per group (singletons included), ordered by first member; ``reasons`` group index ->
-    why its members were grouped (for groups of two or more)."""
+    why its members were grouped (for groups of two or more); ``moments`` the representatives' (each
+    group's mean update's) second moments about the round's coordinate-wise median where the grouping took
+    them (:func:`correlated_groups`), which the inference estimators iterate on instead of taking their
+    own Gram pass."""
 
     members: tuple[tuple[int, ...], ...]
     reasons: dict[int, str]
     n: int
+    moments: Moments | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
     def singletons(n: int) -> Groups:
@@ -341,14 +345,16 @@ def correlated_groups(x: torch.Tensor, groups: Groups, threshold: float = CORREL
     """``groups`` (a partition of the rows of ``x``, (n, d): the copies) with the groups whose deviations
     from the coordinate-wise median of the groups' means correlate above ``threshold`` merged, where a
     component holds fewer than half the n clients; see the module docstring. One selection pass for the
-    median and one Gram pass over the groups' deviations (n^2 d products, on x's device)."""
+    median and one Gram pass over the groups' deviations (n^2 d products, on x's device), whose moments
+    the groups returned keep (``Groups.moments``, for their own representatives)."""
     count = groups.count
     if count < 3:
         return groups
     reps = x if groups.trivial else groups.means(x)
     centre = rank_window(reps, *median_window(count))[0]
-    g = gram(reps, centre).cpu()
-    if not bool(torch.isfinite(g).all()):
+    moments = moments_about(reps, centre).cpu()
+    g = moments.gram
+    if not all(bool(torch.isfinite(t).all()) for t in moments):
         return groups
     spread = g.diagonal().sqrt()
     scale = spread[:, None] * spread[None, :]
@@ -372,11 +378,14 @@ def correlated_groups(x: torch.Tensor, groups: Groups, threshold: float = CORREL
         else:
             members.extend(groups.members[k] for k in component)
     if not merged:
-        return groups
+        return replace(groups, moments=moments)
     ordered = tuple(sorted(members))
     old = {groups.members[k]: reason for k, reason in groups.reasons.items()}
     reasons = {g: merged.get(m) or old[m] for g, m in enumerate(ordered) if m in merged or m in old}
-    return Groups(ordered, reasons, groups.n)
+    out = Groups(ordered, reasons, groups.n)
+    # each new representative is its members' mean: the old representatives' mean weighted by their sizes
+    before = torch.nn.functional.one_hot(groups.index, count).to(torch.float64)
+    return replace(out, moments=moments.combined(out.pooling() @ before))
 
 
 def all_identical(x: torch.Tensor) -> bool:

@@ -100,10 +100,14 @@ def ivar_mle(
     under-estimates exactly the sources the consensus leans on). ``params["degenerate"]`` then says which
     source reached the floor and that the estimate switched.
 
-    With few sources the iterations run on the tasks' Gram matrices (:class:`TaskGram`: one pass over the
-    data, then O(J^2) per iteration) and the consensus is formed once at the end; with many
+    With few sources, or when the tasks come with their Gram statistics (``t.gram``: an aggregation rule's
+    grouping pass took them), the iterations run on the tasks' Gram matrices (:class:`TaskGram`: one pass
+    over the data, then O(J^2) per iteration) and the consensus is formed once at the end; with many
     (``DIRECT_MIN_SOURCES``) each iteration is one fused pass (:class:`TaskPasses`), which also forms the
-    consensus: one pass per iteration (and one more when some given starting noise is unknown). Either
+    consensus: one pass per iteration (and one more when some given starting noise is unknown). With many
+    sources and a given Gram, once a residual is unresolved by it (:meth:`TaskGram.unresolved`: the
+    consensus nears a source, as in the collapse below) the iterations go on by passes, whose residuals
+    are exact where the floor test needs them. Either
     way the iterations' arithmetic on I x J numbers runs on the host, where its scalar reads are free (on
     a GPU each was a sync: 3 an iteration, 214 syncs and 4,277 launches on a 66-iteration round), and the
     results go back where the data are.
@@ -114,7 +118,8 @@ def ivar_mle(
     _, sources, k = t.shape
     device, host = t.x.device, torch.device("cpu")
     m = t.m.to(host)
-    gram = TaskPasses(t) if sources >= DIRECT_MIN_SOURCES else TaskGram.of(t)
+    direct = sources >= DIRECT_MIN_SOURCES  # residuals by exact passes (or a given Gram while resolved)
+    gram = TaskPasses(t) if direct and t.gram is None else TaskGram.of(t)
     tol = resolve_tol(tol, t.x.dtype)
     past = moved(past or IvarPast.empty(sources), host)
     first = torch.ones(sources, dtype=torch.float64) if init_noise is None else (
@@ -133,7 +138,11 @@ def ivar_mle(
         weights = m / noise
         weights = weights / weights.sum(1, keepdim=True)
         changes.add(weights, noise)
-        r = gram.residuals(weights, m) / k
+        r = gram.residuals(weights, m)
+        if direct and isinstance(gram, TaskGram) and gram.unresolved(r, weights, m):
+            gram = TaskPasses(t)  # the consensus nears a source: its residual by a pass, exactly
+            r = gram.residuals(weights, m)
+        r = r / k
         update = (r.sum(0) + past.total) / count.clamp_min(1)
         if floor is None:  # the first consensus (the plain mean, or the given noise's): the data's scale
             floor = eps * max(_upper_median(update[count > 0]), torch.finfo(torch.float64).tiny)

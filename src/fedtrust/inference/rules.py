@@ -50,6 +50,7 @@ import torch
 from fedtrust._checks import check_choice, check_float, check_int, check_tol
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round, RoundRefused
+from fedtrust.aggregators.distances import Moments
 from fedtrust.aggregators.passes import norms_and_sketch, row_norms
 from fedtrust.aggregators.screening import FirstPass
 from fedtrust.aggregators.state import (
@@ -72,15 +73,21 @@ from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, 
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
 from fedtrust.inference.result import ConvergenceWarning
 from fedtrust.inference.screen import drop_followers, observed_spread, spread_screen
-from fedtrust.inference.tasks import Tasks
+from fedtrust.inference.tasks import TaskGram, Tasks
 
 PAPER = "Nguyen, Lim, Wynter, Cai 2021, Probabilistic Inference for Learning from Untrusted Sources"
 
 
-def _task(round: Round, norms: torch.Tensor | None) -> Tasks:
-    """The (screened) round as one task with every client present, with its updates' norms when known."""
+def _task(round: Round, norms: torch.Tensor | None, moments: Moments | None) -> Tasks:
+    """The (screened) round as one task with every client present, with its updates' norms and their
+    second moments (``Groups.moments``: the grouping pass took them) when known."""
     present = torch.ones(1, round.n, dtype=torch.bool, device=round.updates.device)
-    return Tasks(round.updates[None], present, norms=None if norms is None else norms[None])
+    return Tasks(
+        round.updates[None],
+        present,
+        norms=None if norms is None else norms[None],
+        gram=None if moments is None else TaskGram.of_moments(moments),
+    )
 
 
 #: What the estimates become: the papers' "precision" weights (each client's consensus coefficient), or
@@ -188,10 +195,10 @@ class _WindowRule(BaseRule):
         if (out := self._degenerate(round, groups)) is not None:
             return out
         fit_round = _representatives(round, groups)
-        # the first pass's norms serve the estimator's own passes when it sees the round itself
-        out = self._estimate(
-            round, groups, fit_round, _task(fit_round, first.norms if groups.trivial else None)
-        )
+        # the first pass's norms serve the estimator's own passes when it sees the round itself, and the
+        # grouping's Gram pass (the representatives' moments about the median) its iterations
+        task = _task(fit_round, first.norms if groups.trivial else None, groups.moments)
+        out = self._estimate(round, groups, fit_round, task)
         return out if self.weighting == "precision" else self._screened(round, groups, out, fit_round)
 
     @staticmethod

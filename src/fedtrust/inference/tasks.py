@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from fedtrust.aggregators.chunks import column_blocks
-from fedtrust.aggregators.distances import row_gram
+from fedtrust.aggregators.distances import Moments, row_gram
 from fedtrust.aggregators.passes import CombinationPasses
 
 
@@ -18,11 +18,14 @@ from fedtrust.aggregators.passes import CombinationPasses
 class Tasks:
     """x: (I, J, K) estimates (zero where missing); mask: (I, J), True where source j reported on task i;
     norms: optional (I, J) float64 norms of the estimates when already known (an aggregation rule's first
-    pass takes them), so passes over the data need not."""
+    pass takes them), so passes over the data need not; gram: optional :class:`TaskGram` of the estimates
+    when already taken (an aggregation rule's grouping pass takes it: ``Groups.moments``), which
+    :meth:`TaskGram.of` then returns instead of taking another."""
 
     x: torch.Tensor
     mask: torch.Tensor
     norms: torch.Tensor | None = None
+    gram: TaskGram | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -115,20 +118,28 @@ class TaskGram:
     """Second moments of each task's estimates, from one pass over them: everything the estimators'
     iterations need, so an iteration costs O(J^2) (or O(J^3)) instead of a pass over the I x J x K data.
 
-    With c_i the plain mean of task i's estimates and r_ij = x_ij - c_i (zero where missing), it keeps
-    centred (I, J, J) = r_i r_i', cross (I, J) = r_ij . c_i and mean_sq (I,) = ||c_i||^2. A combination
-    sum_j b_ij x_ij = sum_j b_ij r_ij + (sum_j b_ij) c_i, so every inner product of combinations is a
-    form in these three, each computed in float32 chunks and summed in float64: a large common component
-    (raw parameters rather than updates) costs no precision, and residuals (coefficients summing to 0)
-    never touch ``mean_sq``.
+    With c_i a centre of task i's estimates (the plain mean here; an aggregation rule's grouping pass
+    takes the coordinate-wise median: :meth:`of_moments`) and r_ij = x_ij - c_i (zero where missing), it
+    keeps centred (I, J, J) = r_i r_i', cross (I, J) = r_ij . c_i and mean_sq (I,) = ||c_i||^2. A
+    combination sum_j b_ij x_ij = sum_j b_ij r_ij + (sum_j b_ij) c_i, so every inner product of
+    combinations is a form in these three, each computed in float32 chunks and summed in float64: a large
+    common component (raw parameters rather than updates) costs no precision, and residuals (coefficients
+    summing to 0) never touch ``mean_sq``.
     """
 
     centred: torch.Tensor
     cross: torch.Tensor
     mean_sq: torch.Tensor
 
+    #: A residual below this fraction of the terms it is formed from (:meth:`unresolved`) is not resolved
+    #: by the Gram's float32 products, as in :class:`~fedtrust.aggregators.passes.CombinationPasses`.
+    EXPANSION_FLOOR = CombinationPasses.EXPANSION_FLOOR
+
     @staticmethod
     def of(t: Tasks) -> TaskGram:
+        """The tasks' Gram statistics: ``t.gram`` when given, else one pass over the data."""
+        if t.gram is not None:
+            return t.gram
         i, j, _ = t.x.shape
         like = dict(dtype=t.x.dtype, device=t.x.device)
         mask = None if bool(t.mask.all()) else t.mask[:, :, None].to(t.x.dtype)
@@ -151,6 +162,24 @@ class TaskGram:
         f64 = torch.float64
         out = TaskGram(centred.to(f64).sum(0), cross[..., 0].to(f64).sum(0), mean_sq.to(f64).sum(0))
         return out
+
+    @staticmethod
+    def of_moments(moments: Moments) -> TaskGram:
+        """One task's statistics from the :class:`~fedtrust.aggregators.distances.Moments` of its estimates
+        about a centre (every source present)."""
+        return TaskGram(moments.gram[None], moments.cross[None], moments.centre_sq.reshape(1))
+
+    def unresolved(self, residuals: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Whether some present residual (:meth:`residuals` with weights ``w``, summing to 1 per task) is
+        below ``EXPANSION_FLOOR`` of ||r_ij||^2 + ||sum_l w_il r_il||^2, the terms its expansion cancels:
+        the products' float32 rounding (about eps sqrt(K) of those terms) then decides its digits, as when
+        the consensus sits on one source. A caller that needs such residuals exactly (IVAR-MLE's collapse
+        test) takes them by a pass over the data instead."""
+        w = w.to(self.centred.device)
+        consensus = (w[:, None, :] @ self.centred @ w[:, :, None])[:, :, 0]  # (I, 1): ||sum_l w_il r_il||^2
+        spread = self.centred.diagonal(dim1=1, dim2=2) + consensus
+        low = residuals.to(spread.device) < self.EXPANSION_FLOOR * spread
+        return bool((low & (mask.to(low.device) > 0)).any())
 
     def form(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """(I, a, b): P_i' X_i X_i' Q_i for coefficient matrices P (I, J, a) and Q (I, J, b)."""
