@@ -160,16 +160,17 @@ def test_ivar_mle_with_two_sources_a_round_never_carries_a_collapse_into_a_non_f
 @pytest.mark.parametrize("seed", [0, 2])
 def test_ivar_mle_on_a_given_gram_fits_as_its_direct_passes_do_the_collapse_included(seed):
     """An aggregation rule hands IVAR-MLE the Gram statistics its search for copies took (about the
-    round's median), in place of a pass over the data per iteration. One source 20 times more precise than
-    19 others takes the consensus onto itself (the degenerate solution); there the Gram's residual for it
-    cancels, so the iterations go on by passes, and the fit is the direct passes' to a few times the
-    stopping tolerance. (On the Gram alone, its flat-prior estimate ended 4e-3 away.)"""
+    round's median), in place of a pass over the data per iteration. One source ten times more precise
+    than 19 others takes the consensus onto itself (the degenerate solution); there the Gram's residual
+    for it cancels, so the iterations go on by passes, and the fit is the direct passes' to a few times
+    the stopping tolerance, both converged. (On the Gram alone its flat-prior estimate ended 6e-5 away,
+    8 times the tolerance.)"""
     from fedtrust.aggregators.distances import moments_about
     from fedtrust.inference.tasks import TaskGram, Tasks
 
     g = torch.Generator().manual_seed(seed)
     scales = torch.ones(20)
-    scales[0] = 0.05
+    scales[0] = 0.1
     x = 3 + torch.randn(20_000, generator=g) + torch.randn(20, 20_000, generator=g) * scales[:, None]
     present = torch.ones(1, 20, dtype=torch.bool)
     moments = moments_about(x, x.median(0).values)
@@ -177,8 +178,29 @@ def test_ivar_mle_on_a_given_gram_fits_as_its_direct_passes_do_the_collapse_incl
     given = ivar_mle(Tasks(x[None], present, gram=TaskGram.of_moments(moments)))
     for fit in (direct, given):
         assert "source 0's noise variance reached the floor" in fit.params["degenerate"]
-    torch.testing.assert_close(given.weights, direct.weights, rtol=0, atol=1e-3)
-    torch.testing.assert_close(given.consensus, direct.consensus, rtol=0, atol=1e-3)
+        assert fit.converged
+    torch.testing.assert_close(given.weights, direct.weights, **dtype_tol(x.dtype, 4))
+    torch.testing.assert_close(given.consensus, direct.consensus, **dtype_tol(x.dtype, 4, x.abs().max()))
+
+
+def test_a_fit_that_says_it_converged_is_within_its_tolerance_of_its_fixed_point():
+    """IVAR-MLE's flat-prior estimate on a collapse (one source 20 times more precise than 19 others)
+    converges slowly: 5,228 iterations to a tol of 1e-12. At the default tol it said "converged" after 42,
+    with source 0's weight at 0.9593 against the fixed point's 0.9631 (500 times the tolerance): the two
+    changes after a SQUAREM jump, and later changes that hovered while the weights kept going one way, were
+    read as convergence. Now the fit either is within a few times its tolerance or says it is not."""
+    g = torch.Generator().manual_seed(0)
+    scales = torch.ones(20)
+    scales[0] = 0.05
+    x = (torch.randn(2000, generator=g) + torch.randn(20, 2000, generator=g) * scales[:, None])[None]
+    fit = ivar_mle(x)
+    assert "degenerate" in fit.params
+    truth = ivar_mle(x, tol=1e-12, max_iter=20_000)
+    assert truth.converged
+    if fit.converged:
+        torch.testing.assert_close(fit.weights, truth.weights, **dtype_tol(x.dtype, 4))
+    else:
+        assert fit.warning.startswith("ivar_mle stopped at its iteration limit (200 iterations)")
 
 
 def test_ivar_mle_floor_scales_with_the_data():
