@@ -617,7 +617,8 @@ def test_a_run_folder_copied_aside_is_not_another_seed(tmp_path):
 
 def test_the_report_says_which_code_computed_its_runs(tmp_path):
     """A table read from old runs says so: the report's provenance names the runs' fedtrust source
-    hashes against this checkout's, and counts the runs of other code (or none recorded)."""
+    hashes against this checkout's, and counts the runs of other code (or none recorded); a cell whose
+    seeds different code computed says how many codes it mixes."""
     import json
 
     from fedtrust.report import write_report
@@ -636,6 +637,10 @@ def test_the_report_says_which_code_computed_its_runs(tmp_path):
     manifest.write_text(json.dumps(old))
     text = write_report(tmp_path / "t").read_text()
     assert "source 0123456789abcdef: 1 run" in text and "1 run by other code" in text
+    # the two seeds of the one cell were computed by different code: the cell says so
+    accuracy = text.split("## Final test accuracy")[1].split("\n\n")[1].splitlines()[2]
+    assert accuracy.endswith(" (2 codes) |")
+    assert 'A cell whose seeds were computed by different code says so ("2 codes")' in text
 
 
 def test_the_report_never_averages_runs_of_different_configs(tmp_path):

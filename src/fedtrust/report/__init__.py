@@ -21,6 +21,8 @@ def _cell(cell: Cell | None) -> str:
     total = cell.count + cell.failed + cell.unfinished
     counted = ((cell.nonfinite, "non-finite"), (cell.failed, "failed"), (cell.unfinished, "unfinished"))
     notes = [f"{k}/{total} {what}" for k, what in counted if k]
+    if cell.codes > 1:  # seeds computed by different fedtrust code, averaged together (see Provenance)
+        notes.append(f"{cell.codes} codes")
     finite = cell.count - cell.nonfinite
     if finite == 0:
         return "failed" if cell.failed and not (cell.nonfinite or cell.unfinished) else ", ".join(notes)
@@ -210,9 +212,7 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
 
 def other_code(runs: list[Run]) -> int:
     """How many of the runs other fedtrust code computed (another source hash), or record none."""
-    return sum(
-        (r.manifest.get("versions") or {}).get("fedtrust_source") != source_hash() for r in runs if r.manifest
-    )
+    return sum(r.code != source_hash() for r in runs if r.manifest)
 
 
 def provenance(runs: list[Run]) -> list[str]:
@@ -231,10 +231,15 @@ def provenance(runs: list[Run]) -> list[str]:
         else f"{other} run{'s' * (other != 1)} by other code (or code not recorded): their numbers are "
         "that code's, not necessarily this one's"
     )
+    mixed = (
+        ' A cell whose seeds were computed by different code says so ("2 codes"): its mean mixes them.'
+        if len({source for _, source in made}) > 1
+        else ""
+    )
     return [
         "## Provenance",
         "",
-        f"{'; '.join(parts)}. This checkout's source: {source_hash()}; {verdict}.",
+        f"{'; '.join(parts)}. This checkout's source: {source_hash()}; {verdict}.{mixed}",
         "",
     ]
 

@@ -82,6 +82,12 @@ class Run:
         return f"{label} [{self.tag}]" if self.tag else label
 
     @property
+    def code(self) -> str | None:
+        """The fedtrust source hash that computed the run (``versions.fedtrust_source``), None if none is
+        recorded."""
+        return (self.manifest.get("versions") or {}).get("fedtrust_source")
+
+    @property
     def own_run(self) -> bool:
         """A Flower run directory: a run of its own, never a replicate of another directory's."""
         return self.manifest.get("experiment") == "flower"
@@ -305,8 +311,10 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
 
 class Cell(NamedTuple):
     """A table cell: mean and sd over the finished runs' finite values, how many values, how many of them
-    were not finite (a model whose metric is inf or NaN), how many runs of the cell failed, and how many
-    did not finish (interrupted, or unreadable)."""
+    were not finite (a model whose metric is inf or NaN), how many runs of the cell failed, how many
+    did not finish (interrupted, or unreadable), and how many codes computed its values (distinct
+    fedtrust source hashes, or none recorded: a cell averaged over seeds run before and after a change
+    mixes two)."""
 
     mean: float
     sd: float
@@ -314,6 +322,7 @@ class Cell(NamedTuple):
     nonfinite: int
     failed: int
     unfinished: int = 0
+    codes: int = 1
 
 
 def table(runs: list[Run], value) -> tuple[list[str], list[str], dict[tuple[str, str], Cell]]:
@@ -325,11 +334,13 @@ def table(runs: list[Run], value) -> tuple[list[str], list[str], dict[tuple[str,
     for rule in rules:
         for setting in settings:
             mine = [r for r in runs if r.manifest and r.rule == rule and r.setting == setting]
-            vals = [v for v in (value(r) for r in mine if r.status == "finished") if v is not None]
+            counted = [(r, v) for r in mine if r.status == "finished" and (v := value(r)) is not None]
+            vals = [v for _, v in counted]
             failed = sum(r.status == "failed" for r in mine)
             unfinished = sum(r.status in ("running", "unreadable") for r in mine)
             if vals or failed or unfinished:
                 m, s = mean_sd(vals)
                 nonfinite = sum(not math.isfinite(v) for v in vals)
-                cells[(rule, setting)] = Cell(m, s, len(vals), nonfinite, failed, unfinished)
+                codes = len({r.code for r, _ in counted}) or 1
+                cells[(rule, setting)] = Cell(m, s, len(vals), nonfinite, failed, unfinished, codes)
     return rules, settings, cells
