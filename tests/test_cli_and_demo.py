@@ -217,6 +217,10 @@ def broken_manifest(tmp_path):
             r"e.csv, line 1: column 2 has no source name; name every source",
         ),
         (lambda t: ["report", str(broken_manifest(t))], r"unreadable: .*m/manifest.json is empty"),
+        (
+            lambda t: ["demo", "--out", str(_write(t / "f", "")), "--rounds", "1", "--seeds", "1"],
+            "--out .*/f is a file",  # (a NotADirectoryError traceback from inside the runner)
+        ),
     ],
 )
 def test_cli_errors_name_the_field_or_file_not_a_traceback(tmp_path, args, message):
@@ -251,3 +255,39 @@ def test_infer_that_stops_at_max_iter_warns_with_the_remedy_and_still_writes(tmp
     done = runner.invoke(app, ["infer", str(estimates), "--method", "ivar_vb", "--out", str(out)])
     assert done.exit_code == 0 and "warning" not in done.output, done.output
     assert int(re.search(r"5 sources, (\d+) iterations", done.output).group(1)) > 200, done.output
+
+
+def test_a_second_demo_on_one_out_is_refused_and_leaves_the_first_ones_runs(tmp_path):
+    """The demo starts afresh by deleting its folder: a second demo started while one ran deleted the
+    first one's runs, and their locks, while they were being written (and printed a traceback when it met
+    one of them locked). Now one demo at a time holds the --out; another is refused naming it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "theirs").write_text("a run being written")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
+            import sys
+            from fedtrust.sim.store import RunStore
+            with RunStore({str(tmp_path / "demo.lock")!r}).lock():
+                print("locked", flush=True)
+                sys.stdin.read()
+        """),
+        ],  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        result = runner.invoke(app, ["demo", "--out", str(tmp_path), "--rounds", "1", "--seeds", "1"])
+        assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+        assert "is being written by another fedtrust process (pid" in result.output
+        assert (tmp_path / "demo" / "theirs").exists()
+    finally:
+        holder.communicate("")

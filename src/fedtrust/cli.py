@@ -49,6 +49,7 @@ def demo(
 
     from fedtrust import demo as demo_module
     from fedtrust.sim.settings import TrainSettings, resolve_device
+    from fedtrust.sim.store import RunLocked
 
     try:
         resolve_device(TrainSettings(device=device).device)
@@ -57,7 +58,14 @@ def demo(
         raise _fail(f"--device: {reason}, got {device!r}") from None
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    demo_module.main(out=out, rounds=rounds, seeds=seeds, device=device, jobs=jobs)
+    if out.exists() and not out.is_dir():
+        raise _fail(f"--out {out} is a file; give a folder for the demo's runs")
+    try:
+        demo_module.main(out=out, rounds=rounds, seeds=seeds, device=device, jobs=jobs)
+    except RunLocked as exc:  # another demo is writing this --out
+        raise _fail(str(exc), code=1) from None
+    except OSError as exc:  # an --out that cannot be written
+        raise _fail(str(exc)) from None
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:

@@ -21,6 +21,7 @@ from fedtrust.report import load_runs, write_report
 from fedtrust.report.results import Cell, Run, mean_sd, table
 from fedtrust.rules import RULES
 from fedtrust.sim.settings import resolve_device
+from fedtrust.sim.store import RunStore
 from fedtrust.sweeps.config import validate
 from fedtrust.sweeps.runner import run_experiment
 
@@ -71,11 +72,16 @@ def main(
     cfg = validate(config(rounds=rounds, seeds=seeds, device=device))
     resolve_device(cfg.train.device)  # a device this machine lacks: refused before the first run
     root = Path(out) / cfg.name
-    shutil.rmtree(root, ignore_errors=True)  # the demo always computes afresh
-    began = time.perf_counter()
-    run_experiment(cfg, out, progress=progress, jobs=jobs)
-    elapsed = time.perf_counter() - began
-    runs = load_runs(root)
+    # One demo at a time on an --out: the demo always computes afresh, so it deletes its folder first, and a
+    # second demo started meanwhile deleted the first one's runs, their locks included, while they were
+    # written. The lock lives beside the folder it guards (RunLocked names its holder).
+    with RunStore(Path(out) / f"{cfg.name}.lock").lock():
+        shutil.rmtree(root, ignore_errors=True)
+        began = time.perf_counter()
+        run_experiment(cfg, out, progress=progress, jobs=jobs)
+        elapsed = time.perf_counter() - began
+        runs = load_runs(root)
+        report = write_report(root)
     clean, attacked = "corruption=none", "corruption=label_flip"
     rules, _, accuracy = table(runs, Run.final)
     _, _, weight = table(runs, Run.corrupted_weight)
@@ -109,7 +115,6 @@ def main(
         t.add_row(rule, *(fmt(c) for c in row))
     console = Console(width=120)
     console.print(t)
-    report = write_report(root)
     console.print(f"Report: {report}")
     return runs
 
