@@ -221,6 +221,10 @@ def broken_manifest(tmp_path):
             lambda t: ["demo", "--out", str(_write(t / "f", "")), "--rounds", "1", "--seeds", "1"],
             "--out .*/f is a file",  # (a NotADirectoryError traceback from inside the runner)
         ),
+        (
+            lambda t: ["flower-credentials", "--out", str(_write(t / "f", ""))],
+            "--out .*/f is a file",  # (a FileExistsError traceback)
+        ),
     ],
 )
 def test_cli_errors_name_the_field_or_file_not_a_traceback(tmp_path, args, message):

@@ -333,6 +333,16 @@ def flower_credentials(
 
     What the directory already holds is kept: run it again with more --nodes to add key pairs for new
     sites (the CA and the registered keys stay valid). --force replaces everything."""
+    if out.exists() and not out.is_dir():
+        raise _fail(f"--out {out} is a file; give a folder for the credentials")
+    try:
+        _write_credentials(out, host, nodes, force)
+    except OSError as exc:  # a folder that cannot be written
+        raise _fail(str(exc)) from None
+
+
+def _write_credentials(out: Path, host: list[str], nodes: int, force: bool) -> None:
+    """``flower-credentials``' work: the CA and certificate unless kept, then the SuperNode key pairs."""
     from fedtrust.flower.credentials import certificate_hosts, supernode_keys, tls_certificates
 
     pem = out / "server.pem"
