@@ -4,6 +4,7 @@ import re
 
 import numpy as np
 import pytest
+import runs
 import torch
 import yaml
 from typer.testing import CliRunner
@@ -265,33 +266,10 @@ def test_a_second_demo_on_one_out_is_refused_and_leaves_the_first_ones_runs(tmp_
     """The demo starts afresh by deleting its folder: a second demo started while one ran deleted the
     first one's runs, and their locks, while they were being written (and printed a traceback when it met
     one of them locked). Now one demo at a time holds the --out; another is refused naming it."""
-    import subprocess
-    import sys
-    import textwrap
-
     (tmp_path / "demo").mkdir()
     (tmp_path / "demo" / "theirs").write_text("a run being written")
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(f"""
-            import sys
-            from fedtrust.sim.store import RunStore
-            with RunStore({str(tmp_path / "demo.lock")!r}).lock():
-                print("locked", flush=True)
-                sys.stdin.read()
-        """),
-        ],  # fmt: skip
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with runs.lock_held_elsewhere(tmp_path / "demo.lock") as holder:
         result = runner.invoke(app, ["demo", "--out", str(tmp_path), "--rounds", "1", "--seeds", "1"])
         assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
-        assert "is being written by another fedtrust process (pid" in result.output
+        assert f"is being written by another fedtrust process (pid {holder.pid}" in result.output
         assert (tmp_path / "demo" / "theirs").exists()
-    finally:
-        holder.communicate("")

@@ -7,7 +7,6 @@ import math
 import os
 import pickle
 import shlex
-import subprocess
 import sys
 import textwrap
 from collections import deque
@@ -276,31 +275,12 @@ def test_a_line_cut_short_by_a_crash_is_redone(tmp_path, whole):
 
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     folder = tmp_path / "out" / "t" / "run"
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(f"""
-            import sys, time
-            from fedtrust.sim.store import RunStore
-            with RunStore({str(folder)!r}).lock():
-                print("locked", flush=True)
-                sys.stdin.read()
-        """),
-        ],  # fmt: skip
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with runs.lock_held_elsewhere(folder) as holder:
         with pytest.raises(
             RunLocked, match=rf"{folder} is being written by another fedtrust process \(pid {holder.pid}"
         ):
             run_experiment(config(train__rounds=1), tmp_path / "out", progress=False)
         assert not (folder / "rounds.jsonl").exists()
-    finally:
-        holder.communicate("")
     run_experiment(config(train__rounds=1), tmp_path / "out", progress=False)  # free again
     assert RunStore(folder).is_finished()
 
