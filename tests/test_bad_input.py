@@ -279,15 +279,27 @@ SCREEN_IN_FIRST_PASS = [name for name in available() if has_first_pass(rule(name
 
 def test_which_rules_screen_in_their_first_pass():
     """Every rule whose first pass can take the norms before it uses them declares ``first_pass``; the
-    mean and FedAvg screen by their result (``FirstPass.finite``), FedAG by its base rule's pass. ARFL,
-    FOCUS and CFL read the norms the front door's own screening pass takes."""
+    mean and FedAvg screen by their result (``FirstPass.finite``), FedAG by its base rule's pass. ARFL
+    and CFL read the norms the front door's own screening pass takes."""
     assert set(SCREEN_IN_FIRST_PASS) == {
         "geometric_median", "centered_clipping", "ivar_mle", "ivar_vb", "icov_mle", "icov_vb",
-        "krum", "multi_krum", "bulyan", "median", "trimmed_mean", "mean", "fedavg", "fedag",
+        "krum", "multi_krum", "bulyan", "median", "trimmed_mean", "mean", "fedavg", "fedag", "focus",
     }  # fmt: skip
     x = torch.randn(4, 6)
     first = rule("mean").first_pass(Round(updates=x))
     assert first.norms is None and first.finite
+
+
+def _inputs(name: str, n: int, keep: list[int] | None = None) -> dict:
+    """What a rule reads beside the updates, for a round of n clients (``keep``: of those clients only):
+    the training losses it requires and a benchmark to score on (FOCUS)."""
+    r, out = rule(name), {}
+    if "train_loss" in r.requires:
+        loss = torch.linspace(1.0, 2.0, n)
+        out["metrics"] = {"train_loss": loss if keep is None else loss[keep]}
+    if getattr(r, "reads_reference", ()):
+        out["reference"] = _bench
+    return out
 
 
 @pytest.mark.parametrize("name", SCREEN_IN_FIRST_PASS)
@@ -313,7 +325,7 @@ def test_a_rule_that_screens_in_its_first_pass_costs_no_screening_pass_and_quara
     monkeypatch.setattr(core, "row_norms", lambda x: screening.append(1) or real_row_norms(x))
     g = torch.Generator().manual_seed(2)
     rounds = [torch.randn(n, 50, generator=g) + 0.1 * k for k in range(2)]
-    clean_round = Round(updates=rounds[0])
+    clean_round = Round(updates=rounds[0], **_inputs(name, n))
     rule(name, **options)(clean_round)
     assert not screening
     first = rule(name, **options).first_pass(clean_round)
@@ -326,9 +338,9 @@ def test_a_rule_that_screens_in_its_first_pass_costs_no_screening_pass_and_quara
     for x in rounds:
         bad = x.clone()
         bad[3, 7] = math.nan
-        out = poisoned(Round(updates=bad))
+        out = poisoned(Round(updates=bad, **_inputs(name, n)))
         assert screening and "non-finite" in out.info["quarantined"][3]
-        ref = clean(Round(updates=x[keep], client_ids=keep))
+        ref = clean(Round(updates=x[keep], client_ids=keep, **_inputs(name, n, keep)))
         scale = float(x[keep].abs().max())
         torch.testing.assert_close(out.vector, ref.vector, **dtype_tol(x.dtype, 4, scale))
         torch.testing.assert_close(out.weights[keep], ref.weights, **dtype_tol(x.dtype, 4))

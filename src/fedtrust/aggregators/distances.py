@@ -70,9 +70,6 @@ class Moments(NamedTuple):
         a = a.to(self.gram)
         return Moments(a @ self.gram @ a.T, a @ self.cross, self.centre_sq)
 
-    def cpu(self) -> Moments:
-        return Moments(*(t.cpu() for t in self))
-
 
 def moments_about(x: torch.Tensor, centre: torch.Tensor) -> Moments:
     """The rows' :class:`Moments` about ``centre`` (d,), in one pass over ``x`` (n, d) on its device: per

@@ -14,8 +14,9 @@ from fedtrust.aggregators.core import Aggregate, Round
 from fedtrust.aggregators.loss_defences import DEFENCES, defend, reference_losses
 from fedtrust.aggregators.mean import normalised
 from fedtrust.aggregators.passes import weighted_sum
+from fedtrust.aggregators.screening import FirstPass
 from fedtrust.aggregators.state import Dict, Fields, Float, check_state
-from fedtrust.aggregators.sybils import SYBILS, find_groups
+from fedtrust.aggregators.sybils import SYBILS, find_groups, grouping_pass
 
 #: Each client's latest benchmark loss LS (eq 4), by id; +inf where it could not be measured.
 STATE = Fields(optional={"ls": Dict(Float(infinite=True))})
@@ -80,7 +81,13 @@ class FOCUS(BaseRule):
         self.sybils = check_choice(f"{self.name}: sybils", sybils, SYBILS)
         self._ls: dict[Any, float] = {}
 
-    def aggregate(self, round: Round) -> Aggregate:
+    def first_pass(self, round: Round) -> FirstPass:
+        """The norms (the front door screens on them) and the sketch the search for copies reads, in one
+        pass (:func:`~fedtrust.aggregators.sybils.grouping_pass`)."""
+        norms, sketch = grouping_pass(round.updates, self.sybils)
+        return FirstPass(sketch, norms)
+
+    def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
         if round.reference is None:
             raise ValueError(f"{self.name}: needs Round.reference, the loss on the server's benchmark split")
         n = round.num_samples.to(torch.float64)
@@ -94,7 +101,7 @@ class FOCUS(BaseRule):
             [self._ls.get(cid, float("nan")) for cid in round.client_ids], dtype=torch.float64, device=on
         )
         e = ls_prev + ll
-        groups = find_groups(round.updates, round.norms, sybils=self.sybils)
+        groups = find_groups(round.updates, first.norms, sketch=first.value, sybils=self.sybils)
         # one source per group: its members' mean E (over those known) and mean count
         e_g, n_g = groups.pool(torch.where(known, e, math.nan)), groups.pool(n)
         known_g = ~torch.isnan(e_g) if not groups.trivial else known

@@ -61,7 +61,7 @@ import torch
 from fedtrust.aggregators.chunks import column_blocks
 from fedtrust.aggregators.distances import Moments, moments_about, pairwise_sq_distances
 from fedtrust.aggregators.median import median_window
-from fedtrust.aggregators.passes import norms_and_sketch, row_norms
+from fedtrust.aggregators.passes import moved, norms_and_sketch, row_norms
 from fedtrust.aggregators.rank_windows import rank_window
 
 #: What the trust rules (IVAR, ICOV, FOCUS) group: "share" (default) copies and correlated groups
@@ -352,7 +352,8 @@ def correlated_groups(x: torch.Tensor, groups: Groups, threshold: float = CORREL
         return groups
     reps = x if groups.trivial else groups.means(x)
     centre = rank_window(reps, *median_window(count))[0]
-    moments = moments_about(reps, centre).cpu()
+    # the n^2 + n + 1 numbers in one transfer: the host turns them into groups and the estimators' iterations
+    moments = Moments(*moved(torch.device("cpu"), *moments_about(reps, centre)))
     g = moments.gram
     if not all(bool(torch.isfinite(t).all()) for t in moments):
         return groups
@@ -392,6 +393,15 @@ def all_identical(x: torch.Tensor) -> bool:
     """Whether every row of ``x`` equals the first, bit for bit (NaN never does). Chunk by chunk, so rows
     that differ are usually told apart in the first chunk."""
     return all(bool((x[:, cols] == x[:1, cols]).all()) for cols in column_blocks(x))
+
+
+def grouping_pass(x: torch.Tensor, sybils: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A grouping rule's first pass over its round's updates ``x`` (n, d): their (n,) norms (the front door
+    screens on them) and, unless ``sybils`` is "off", in the same pass their sketch (:func:`find_groups`'
+    candidate pairs; None when off)."""
+    if sybils == "off":
+        return row_norms(x), None
+    return norms_and_sketch(x, SKETCH_WIDTH)
 
 
 def find_groups(

@@ -51,7 +51,7 @@ from fedtrust._checks import check_choice, check_float, check_int, check_tol
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round, RoundRefused
 from fedtrust.aggregators.distances import Moments
-from fedtrust.aggregators.passes import norms_and_sketch, row_norms
+from fedtrust.aggregators.passes import row_norms
 from fedtrust.aggregators.screening import FirstPass
 from fedtrust.aggregators.state import (
     ClientId,
@@ -68,7 +68,7 @@ from fedtrust.aggregators.state import (
     symmetric_positive_definite,
     symmetric_positive_semidefinite,
 )
-from fedtrust.aggregators.sybils import SKETCH_WIDTH, SYBILS, Groups, all_identical, find_groups
+from fedtrust.aggregators.sybils import SYBILS, Groups, all_identical, find_groups, grouping_pass
 from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, latent_init
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
 from fedtrust.inference.result import ConvergenceWarning
@@ -185,9 +185,7 @@ class _WindowRule(BaseRule):
         self._warned_convergence = False  # a ConvergenceWarning is raised once per rule object
 
     def first_pass(self, round: Round) -> FirstPass:
-        if self.sybils == "off":
-            return FirstPass(None, row_norms(round.updates))
-        norms, sketch = norms_and_sketch(round.updates, SKETCH_WIDTH)
+        norms, sketch = grouping_pass(round.updates, self.sybils)
         return FirstPass(sketch, norms)
 
     def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
