@@ -359,6 +359,29 @@ def test_a_run_computed_by_other_code_of_the_same_version_is_computed_again(tmp_
     assert [o.status for o in run_experiment(cfg, tmp_path, progress=False)] == ["skipped", "skipped"]
 
 
+def test_a_run_computed_under_another_torch_is_computed_again_and_reported_as_other_code(tmp_path):
+    """Another torch or numpy moves float results (another kernel, another summation order), so a run
+    they computed is not this code's result: it was skipped as fresh, and a report called it this
+    code's, whatever torch had computed it."""
+    import json
+
+    from fedtrust.report import write_report
+    from fedtrust.sweeps.runner import StaleRunsWarning
+
+    cfg = config(train__rounds=1)
+    run_experiment(cfg, tmp_path, progress=False)
+    manifest = next((tmp_path / "t").rglob("manifest.json"))
+    old = json.loads(manifest.read_text())
+    old["versions"]["torch"] = "2.0.0"
+    manifest.write_text(json.dumps(old))
+    assert "torch 2.0.0" in write_report(tmp_path / "t").read_text()
+    assert "1 run by other code" in write_report(tmp_path / "t").read_text()
+    with pytest.warns(StaleRunsWarning, match=r"1 run\(s\) .* were computed by other code \(fedtrust source"):
+        outcomes = run_experiment(cfg, tmp_path, progress=False)
+    assert [o.status for o in outcomes] == ["finished"]
+    assert json.loads(manifest.read_text())["versions"]["torch"] == torch.__version__
+
+
 def test_a_run_of_a_registered_rule_whose_code_changed_is_computed_again(tmp_path):
     """A config names a user's rule but not what it does: runs of an edited rule under the same name were
     skipped, printing the old rule's accuracy as the new one's (a freshness review: 0.91 where the edited
@@ -602,21 +625,19 @@ def test_the_report_says_which_code_computed_its_runs(tmp_path):
     import json
 
     from fedtrust.report import write_report
-    from fedtrust.sweeps.runner import source_hash
+    from fedtrust.sim.store import computed_by, describe, versions
 
     cfg = config(train__rounds=1, sweep={"seed": [0, 1]})
     run_experiment(cfg, tmp_path, progress=False)
     text = write_report(tmp_path / "t").read_text()
-    assert (
-        f"source {source_hash()}: 2 runs. This checkout's source: {source_hash()}; every run by this code"
-        in text
-    )
+    here = describe(computed_by(versions()))  # source <hash>, torch <version>, numpy <version>
+    assert f"{here}: 2 runs. This checkout: {here}; every run by this code" in text
     manifest = next((tmp_path / "t").rglob("manifest.json"))
     old = json.loads(manifest.read_text())
     old["versions"]["fedtrust_source"] = "0123456789abcdef"
     manifest.write_text(json.dumps(old))
     text = write_report(tmp_path / "t").read_text()
-    assert "source 0123456789abcdef: 1 run" in text and "1 run by other code" in text
+    assert "source 0123456789abcdef, torch " in text and "1 run by other code" in text
     # the two seeds of the one cell were computed by different code: the cell says so
     accuracy = text.split("## Final test accuracy")[1].split("\n\n")[1].splitlines()[2]
     assert accuracy.endswith(" (2 codes) |")

@@ -9,7 +9,7 @@ from fedtrust.aggregators.sybils import CORRELATION
 from fedtrust.report.figures import calibration, metric_curves, sweep_curves, trust_heatmaps
 from fedtrust.report.results import Cell, Run, is_replicate, load_runs, missing, table
 from fedtrust.report.style import slug
-from fedtrust.sim.store import source_hash
+from fedtrust.sim.store import computed_by, describe, versions
 
 __all__ = ["Run", "load_runs", "missing", "other_code", "write_report"]
 
@@ -211,19 +211,21 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
 
 
 def other_code(runs: list[Run]) -> int:
-    """How many of the runs other fedtrust code computed (another source hash), or record none."""
-    return sum(r.code != source_hash() for r in runs if r.manifest)
+    """How many of the runs other code computed (another fedtrust source, torch or numpy:
+    :func:`~fedtrust.sim.store.computed_by`), or record none."""
+    here = computed_by(versions())
+    return sum(r.code != here for r in runs if r.manifest)
 
 
 def provenance(runs: list[Run]) -> list[str]:
-    """What computed the runs: their fedtrust versions and source hashes (``fedtrust_source``, of every
-    source file), against this checkout's, so a table read from old runs says it is old."""
+    """What computed the runs: their fedtrust versions, source hashes (``fedtrust_source``, of every
+    source file), torch and numpy versions, against this checkout's, so a table read from old runs says
+    it is old."""
     made = Counter(
-        (v.get("fedtrust", "?"), v.get("fedtrust_source"))
-        for v in ((r.manifest.get("versions") or {}) for r in runs if r.manifest)
+        ((r.manifest.get("versions") or {}).get("fedtrust", "?"), r.code) for r in runs if r.manifest
     )
-    parts = [f"fedtrust {version}, source {source or 'not recorded'}: {count} run{'s' * (count != 1)}"
-             for (version, source), count in sorted(made.items(), key=lambda kv: -kv[1])]  # fmt: skip
+    parts = [f"fedtrust {version}, {describe(code)}: {count} run{'s' * (count != 1)}"
+             for (version, code), count in sorted(made.items(), key=lambda kv: -kv[1])]  # fmt: skip
     other = other_code(runs)
     verdict = (
         "every run by this code"
@@ -233,13 +235,13 @@ def provenance(runs: list[Run]) -> list[str]:
     )
     mixed = (
         ' A cell whose seeds were computed by different code says so ("2 codes"): its mean mixes them.'
-        if len({source for _, source in made}) > 1
+        if len({code for _, code in made}) > 1
         else ""
     )
     return [
         "## Provenance",
         "",
-        f"{'; '.join(parts)}. This checkout's source: {source_hash()}; {verdict}.{mixed}",
+        f"{'; '.join(parts)}. This checkout: {describe(computed_by(versions()))}; {verdict}.{mixed}",
         "",
     ]
 

@@ -82,10 +82,12 @@ class Run:
         return f"{label} [{self.tag}]" if self.tag else label
 
     @property
-    def code(self) -> str | None:
-        """The fedtrust source hash that computed the run (``versions.fedtrust_source``), None if none is
-        recorded."""
-        return (self.manifest.get("versions") or {}).get("fedtrust_source")
+    def code(self) -> tuple[str | None, ...]:
+        """What computed the run: its recorded fedtrust source hash, torch and numpy versions
+        (:func:`~fedtrust.sim.store.computed_by`; None where one is not recorded)."""
+        from fedtrust.sim.store import computed_by
+
+        return computed_by(self.manifest.get("versions"))
 
     @property
     def own_run(self) -> bool:

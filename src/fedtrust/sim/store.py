@@ -58,6 +58,26 @@ def versions() -> dict[str, str]:
     }
 
 
+#: What computed a result on disk besides its config (keys of :func:`versions`): fedtrust's source and the
+#: numerical libraries under it. Another torch or numpy moves float results (another kernel, another
+#: order of summation), so a run is reused or resumed, and a report calls it this code's, only when all of
+#: them match.
+COMPUTED_BY = ("fedtrust_source", "torch", "numpy")
+
+
+def computed_by(recorded: dict[str, Any] | None) -> tuple[str | None, ...]:
+    """The :data:`COMPUTED_BY` entries of a run's recorded ``versions`` (None where one is missing);
+    ``computed_by(versions())`` is this checkout's."""
+    return tuple((recorded or {}).get(k) for k in COMPUTED_BY)
+
+
+def describe(code: tuple[str | None, ...]) -> str:
+    """``source <hash>, torch <v>, numpy <v>`` for a :func:`computed_by` tuple."""
+    return ", ".join(
+        f"{k.removeprefix('fedtrust_')} {v or 'not recorded'}" for k, v in zip(COMPUTED_BY, code, strict=True)
+    )
+
+
 class RecoveryWarning(UserWarning):
     """A run resumed from an earlier point than its files claimed, because some of them were damaged."""
 

@@ -29,7 +29,8 @@ from fedtrust.sim.evaluation import default_evaluation
 from fedtrust.sim.federation import build_federation
 from fedtrust.sim.loop import Lie, Simulation
 from fedtrust.sim.settings import resolve_device
-from fedtrust.sim.store import RunLocked, RunStore, source_hash, versions
+from fedtrust.sim.store import RunLocked, RunStore, computed_by, describe, versions
+from fedtrust.sim.store import source_hash as source_hash  # (scripts read the code's hash here)
 from fedtrust.sweeps.config import ExperimentConfig, expand, shell_safe
 
 
@@ -221,7 +222,7 @@ def _preflight(runs, root: Path, force: bool) -> tuple[set[str], dict[str, str]]
             redo.add(label)
             changed.append(f"  {label}: " + "; ".join(diff))
         elif manifest is not None and (
-            (manifest.get("versions") or {}).get("fedtrust_source") != source_hash()
+            computed_by(manifest.get("versions")) != computed_by(versions())
             or (manifest.get("user_code") or {}) != (mine := user_code(run_cfg))
             or None in mine.values()
         ):
@@ -235,8 +236,9 @@ def _preflight(runs, root: Path, force: bool) -> tuple[set[str], dict[str, str]]
         )
     if stale:
         warnings.warn(
-            f"{len(stale)} run(s) in {root} were computed by other code (fedtrust source {source_hash()} "
-            "here, or a component you registered has changed or has no readable source); they are computed "
+            f"{len(stale)} run(s) in {root} were computed by other code (fedtrust "
+            f"{describe(computed_by(versions()))} here, or a component you registered has changed or has no "
+            "readable source); they are computed "
             f"again, not skipped or resumed: {', '.join(stale[:5])}" + (" ..." if len(stale) > 5 else ""),
             StaleRunsWarning,
             stacklevel=3,
@@ -253,10 +255,12 @@ def run_experiment(
     ray: str | None = None,
 ) -> list[RunOutcome]:
     """Run every run of ``cfg``'s sweep under ``out/<cfg.name>/<label>``. A run is identified by what it
-    computes (the hash of its resolved config, the fedtrust version and :func:`source_hash`): a finished
-    run with the same identity is skipped, an interrupted one resumes from its last good checkpoint, one
-    computed from another config is refused (:class:`ConfigChanged`) unless ``force`` starts it over,
-    and one computed by other code of the same version is computed again (:class:`StaleRunsWarning`).
+    computes (the hash of its resolved config, the fedtrust version, :func:`source_hash` and the torch
+    and numpy versions: :func:`~fedtrust.sim.store.computed_by`): a finished run with the same identity is
+    skipped, an interrupted one resumes from its last good checkpoint, one computed from another config is
+    refused (:class:`ConfigChanged`) unless ``force`` starts it over, and one computed by other code of
+    the same version (an edited source, another torch or numpy) is computed again
+    (:class:`StaleRunsWarning`).
     Each run is written under its directory's lock (:class:`~fedtrust.sim.store.RunLocked` when another
     process holds it). A run that fails is recorded and the rest go on.
 
