@@ -21,7 +21,7 @@ def _cell(cell: Cell | None) -> str:
     total = cell.count + cell.failed + cell.unfinished
     counted = ((cell.nonfinite, "non-finite"), (cell.failed, "failed"), (cell.unfinished, "unfinished"))
     notes = [f"{k}/{total} {what}" for k, what in counted if k]
-    if cell.codes > 1:  # seeds computed by different fedtrust code, averaged together (see Provenance)
+    if cell.codes > 1:  # seeds computed by different code, averaged together (see Provenance)
         notes.append(f"{cell.codes} codes")
     finite = cell.count - cell.nonfinite
     if finite == 0:

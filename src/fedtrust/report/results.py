@@ -315,8 +315,8 @@ class Cell(NamedTuple):
     """A table cell: mean and sd over the finished runs' finite values, how many values, how many of them
     were not finite (a model whose metric is inf or NaN), how many runs of the cell failed, how many
     did not finish (interrupted, or unreadable), and how many codes computed its values (distinct
-    fedtrust source hashes, or none recorded: a cell averaged over seeds run before and after a change
-    mixes two)."""
+    :attr:`Run.code`: fedtrust source, torch and numpy; a cell averaged over seeds run before and after a
+    change mixes two)."""
 
     mean: float
     sd: float
