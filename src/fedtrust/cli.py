@@ -58,8 +58,7 @@ def demo(
         raise _fail(f"--device: {reason}, got {device!r}") from None
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    if out.exists() and not out.is_dir():
-        raise _fail(f"--out {out} is a file; give a folder for the demo's runs")
+    _need_folder("--out", out, "the demo's runs")
     try:
         demo_module.main(out=out, rounds=rounds, seeds=seeds, device=device, jobs=jobs)
     except RunLocked as exc:  # another demo is writing this --out
@@ -72,6 +71,12 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     """Print ``error: message`` on stderr; raise the returned Exit to stop with ``code``."""
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
+
+
+def _need_folder(option: str, path: Path | None, what: str) -> None:
+    """Stop, naming ``option``, when ``path`` (a folder to write ``what`` into; None: not given) is a file."""
+    if path is not None and path.exists() and not path.is_dir():
+        raise _fail(f"{option} {path} is a file; give a folder for {what}")
 
 
 def _summary(outcomes, folder: Path) -> None:
@@ -127,10 +132,8 @@ def run(
 
     if config.is_dir():
         raise _fail(f"{config} is a folder; give an experiment YAML file (e.g. {config}/<name>.yaml)")
-    if out.exists() and not out.is_dir():
-        raise _fail(f"--out {out} is a file; give a folder for the runs")
-    if report_dir is not None and report_dir.exists() and not report_dir.is_dir():
-        raise _fail(f"--report-dir {report_dir} is a file; give a folder for the report")
+    _need_folder("--out", out, "the runs")
+    _need_folder("--report-dir", report_dir, "the report")
     overrides = [*set_, *([f"train.device={device}"] if device is not None else [])]
     try:
         cfg = load(config, overrides)
@@ -170,8 +173,7 @@ def report(
     make the exit status non-zero."""
     from fedtrust.report import load_runs, missing, other_code, write_report
 
-    if out is not None and out.exists() and not out.is_dir():
-        raise _fail(f"--out {out} is a file; give a folder for the report")
+    _need_folder("--out", out, "the report")
     try:
         runs = load_runs(directory)
         path = write_report(directory, out, runs)
@@ -333,8 +335,7 @@ def flower_credentials(
 
     What the directory already holds is kept: run it again with more --nodes to add key pairs for new
     sites (the CA and the registered keys stay valid). --force replaces everything."""
-    if out.exists() and not out.is_dir():
-        raise _fail(f"--out {out} is a file; give a folder for the credentials")
+    _need_folder("--out", out, "the credentials")
     try:
         _write_credentials(out, host, nodes, force)
     except OSError as exc:  # a folder that cannot be written

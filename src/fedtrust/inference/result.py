@@ -96,14 +96,12 @@ class WeightChanges(list):
     def add(self, weights: torch.Tensor, noise: torch.Tensor | None = None) -> None:
         """Record this iteration's weights (the change from the last ones, from the second call on), and
         the (J,) noise variances they were computed from, if any, for their sources' distances."""
-        scale = None if noise is None else reach(noise).to(weights)
+        scale = 1.0 if noise is None else reach(noise).to(weights)
         if self._recent:
-            change = (weights - self._recent[-1]).abs()
-            self.append(float((change if scale is None else change * scale).max()))
+            self.append(float(((weights - self._recent[-1]).abs() * scale).max()))
         self._recent.append(weights)
         if len(self._recent) == self._recent.maxlen:
-            moved = (weights - self._recent[0]).abs()
-            self.drift = float((moved if scale is None else moved * scale).max())
+            self.drift = float(((weights - self._recent[0]).abs() * scale).max())
 
 
 def reach(noise: torch.Tensor) -> torch.Tensor:

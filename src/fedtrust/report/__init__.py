@@ -9,7 +9,7 @@ from fedtrust.aggregators.sybils import CORRELATION
 from fedtrust.report.figures import calibration, metric_curves, sweep_curves, trust_heatmaps
 from fedtrust.report.results import Cell, Run, is_replicate, load_runs, missing, table
 from fedtrust.report.style import slug
-from fedtrust.sim.store import computed_by, describe, versions
+from fedtrust.sim.store import describe, this_code
 
 __all__ = ["Run", "load_runs", "missing", "other_code", "write_report"]
 
@@ -213,7 +213,7 @@ def write_report(directory: str | Path, out: str | Path | None = None, runs: lis
 def other_code(runs: list[Run]) -> int:
     """How many of the runs other code computed (another fedtrust source, torch or numpy:
     :func:`~fedtrust.sim.store.computed_by`), or record none."""
-    here = computed_by(versions())
+    here = this_code()
     return sum(r.code != here for r in runs if r.manifest)
 
 
@@ -241,7 +241,7 @@ def provenance(runs: list[Run]) -> list[str]:
     return [
         "## Provenance",
         "",
-        f"{'; '.join(parts)}. This checkout: {describe(computed_by(versions()))}; {verdict}.{mixed}",
+        f"{'; '.join(parts)}. This checkout: {describe(this_code())}; {verdict}.{mixed}",
         "",
     ]
 

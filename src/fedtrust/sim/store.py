@@ -66,9 +66,13 @@ COMPUTED_BY = ("fedtrust_source", "torch", "numpy")
 
 
 def computed_by(recorded: dict[str, Any] | None) -> tuple[str | None, ...]:
-    """The :data:`COMPUTED_BY` entries of a run's recorded ``versions`` (None where one is missing);
-    ``computed_by(versions())`` is this checkout's."""
+    """The :data:`COMPUTED_BY` entries of a run's recorded ``versions`` (None where one is missing)."""
     return tuple((recorded or {}).get(k) for k in COMPUTED_BY)
+
+
+def this_code() -> tuple[str | None, ...]:
+    """This checkout's :func:`computed_by` tuple."""
+    return computed_by(versions())
 
 
 def describe(code: tuple[str | None, ...]) -> str:

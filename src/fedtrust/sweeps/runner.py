@@ -29,7 +29,7 @@ from fedtrust.sim.evaluation import default_evaluation
 from fedtrust.sim.federation import build_federation
 from fedtrust.sim.loop import Lie, Simulation
 from fedtrust.sim.settings import resolve_device
-from fedtrust.sim.store import RunLocked, RunStore, computed_by, describe, versions
+from fedtrust.sim.store import RunLocked, RunStore, computed_by, describe, this_code, versions
 from fedtrust.sim.store import source_hash as source_hash  # (scripts read the code's hash here)
 from fedtrust.sweeps.config import ExperimentConfig, expand, shell_safe
 
@@ -207,6 +207,7 @@ def _preflight(runs, root: Path, force: bool) -> tuple[set[str], dict[str, str]]
     on (unreadable manifest, without ``force``: label -> why). Raises :class:`ConfigChanged` before
     anything runs when a run on disk computed something else and ``force`` is not set."""
     redo, broken, changed, stale = set(), {}, [], []
+    here = this_code()
     for label, run_cfg in runs:
         store = RunStore(root / label)
         try:
@@ -222,7 +223,7 @@ def _preflight(runs, root: Path, force: bool) -> tuple[set[str], dict[str, str]]
             redo.add(label)
             changed.append(f"  {label}: " + "; ".join(diff))
         elif manifest is not None and (
-            computed_by(manifest.get("versions")) != computed_by(versions())
+            computed_by(manifest.get("versions")) != here
             or (manifest.get("user_code") or {}) != (mine := user_code(run_cfg))
             or None in mine.values()
         ):
@@ -237,7 +238,7 @@ def _preflight(runs, root: Path, force: bool) -> tuple[set[str], dict[str, str]]
     if stale:
         warnings.warn(
             f"{len(stale)} run(s) in {root} were computed by other code (fedtrust "
-            f"{describe(computed_by(versions()))} here, or a component you registered has changed or has no "
+            f"{describe(here)} here, or a component you registered has changed or has no "
             "readable source); they are computed "
             f"again, not skipped or resumed: {', '.join(stale[:5])}" + (" ..." if len(stale) > 5 else ""),
             StaleRunsWarning,
