@@ -19,8 +19,11 @@ options in ``ATTACKS`` below):
 
 Rules with a Byzantine budget get f = the column's malicious share (Bulyan at most (n - 3) / 4).
 Cells: final test accuracy, mean +- sd over the seeds. Every run is cached in
-``reports/runs.jsonl`` under the hash of its config and of fedtrust's source, so a re-run reuses only
-results this very code computed (``--force`` recomputes).
+``reports/runs.jsonl`` under the hash of its config and of fedtrust's source, with the torch and numpy
+versions that computed it, so a re-run reuses only results this very code computed: the same source under
+another torch or numpy (or a row that did not record them) is computed again, as the sweep runner's
+``computed_by`` does (``--force`` recomputes everything). ``--cached-only`` renders whatever is cached,
+and the report names the versions its runs were computed under.
 
     python experiments/robustness/run.py --data digits --seeds 3 --jobs 2
 """
@@ -148,6 +151,29 @@ def run_one(cfg: dict) -> dict:
     }
 
 
+#: What a cached row records besides fedtrust's source: the numerical libraries that computed it (another
+#: torch or numpy moves float results; :data:`fedtrust.sim.store.COMPUTED_BY`).
+LIBRARIES = ("torch", "numpy")
+
+
+def libraries() -> dict[str, str]:
+    """This environment's :data:`LIBRARIES` versions, as a cached row records them."""
+    from fedtrust.sim.store import versions
+
+    here = versions()
+    return {name: here[name] for name in LIBRARIES}
+
+
+def computed_under(rows: list[dict]) -> str:
+    """The library versions the rows were computed under, with how many runs each ("torch 2.13.0+cpu,
+    numpy 2.4.6: 1,875 runs"; rows cached before the versions were recorded: "versions not recorded")."""
+    counts: dict[str, int] = {}
+    for row in rows:
+        name = ", ".join(f"{lib} {row[lib]}" for lib in LIBRARIES if row.get(lib)) or "versions not recorded"
+        counts[name] = counts.get(name, 0) + 1
+    return "; ".join(f"{name}: {n:,} runs" for name, n in sorted(counts.items())) or "no runs"
+
+
 def load_cache(path: Path) -> dict[str, dict]:
     cache = {}
     if path.exists():
@@ -208,6 +234,7 @@ def report(args, results: dict, seconds: float) -> str:
     attacked = [n for (a, _), n in zip(columns, names, strict=True) if a not in ("clean", "absent")]
     worst = {r: min((scores[r, n] for n in attacked if (r, n) in scores), default=None) for r in args.rules}
     complete = [r for r in args.rules if clean[r] is not None and all((r, n) in scores for n in names)]
+    complete = [r for r in complete if worst[r] is not None]  # (no attacked column asked for: none)
     own = [r for r in complete if worst[r] >= clean[r] - 0.03]
     ref = [r for r in complete if reference is not None and worst[r] >= reference - 0.03]
     accurate = [r for r in complete if all(means[r, n] >= clean[r] - 0.03 for n in attacked)]  # ASR aside
@@ -223,8 +250,8 @@ def report(args, results: dict, seconds: float) -> str:
     head = [
         f"# Robustness: {args.data}, {CLIENTS} clients, Dirichlet(0.5), {args.model}, {args.rounds} rounds",
         "",
-        f"Final test accuracy, mean ± sd over {args.seeds} seed(s) (fedtrust source {args.code}; "
-        f"{len(runs)} runs, {sum(r.get('seconds') or 0 for r in runs):.0f} s of run time, "
+        f"Final test accuracy, mean ± sd over {args.seeds} seed(s) (fedtrust source {args.code}, "
+        f"{computed_under(runs)}; {sum(r.get('seconds') or 0 for r in runs):.0f} s of run time, "
         f"{seconds:.0f} s of wall time computed by this command, the rest read from `runs.jsonl`).",
         "Command: `python experiments/robustness/run.py " + " ".join(args.argv) + "`",
         "",
@@ -339,18 +366,26 @@ def main(argv: list[str] | None = None) -> None:
     cache_path = out_dir / "runs.jsonl"
     cache = {} if args.force else load_cache(cache_path)
 
-    todo, results = [], {}
+    here = libraries()
+    todo, results, stale = [], {}, 0
     for rule in args.rules:
         for attack in args.attacks:
             for fraction in FRACTIONS[:1] if attack == "clean" else FRACTIONS:
                 for seed in range(args.seeds):
                     cfg = config(args.data, args.model, rule, attack, fraction, seed, args.rounds)
                     k = key(cfg, args.code)
-                    if k in cache:
-                        results.setdefault((rule, attack, fraction), []).append(cache[k])
+                    row = cache.get(k)
+                    # computing: only this very code's rows are reused; rendering: whatever is cached
+                    if row is not None and (args.cached_only or all(row.get(n) == v for n, v in here.items())):
+                        results.setdefault((rule, attack, fraction), []).append(row)
                     else:
+                        stale += row is not None
                         todo.append((rule, attack, fraction, seed, cfg, k))
     print(f"{len(todo)} runs to compute, {sum(map(len, results.values()))} cached", flush=True)
+    if stale:
+        print(f"{stale} of them cached from this source under another torch or numpy than "
+              f"{', '.join(f'{n} {v}' for n, v in here.items())} (or without the versions recorded): "
+              "computed again", flush=True)  # fmt: skip
     if args.cached_only:
         todo = []
     from fedtrust.progress import Progress
@@ -365,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         for future in as_completed(futures):
             rule, attack, fraction, seed, cfg, k = futures[future]
             row = {"key": k, "rule": rule, "attack": attack, "fraction": fraction, "seed": seed,
-                   "data": args.data, "code": args.code, **future.result()}  # fmt: skip
+                   "data": args.data, "code": args.code, **here, **future.result()}  # fmt: skip
             out.write(json.dumps(row) + "\n")
             out.flush()
             results.setdefault((rule, attack, fraction), []).append(row)

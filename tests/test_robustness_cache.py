@@ -1,0 +1,71 @@
+"""experiments/robustness/run.py's run cache: a cached number is reused only where this very code
+(fedtrust's source, torch and numpy) computed it, and a rendered report says what computed its runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).parent.parent / "experiments" / "robustness" / "run.py"
+
+
+@pytest.fixture(scope="module")
+def robustness():
+    spec = importlib.util.spec_from_file_location("robustness_experiment", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its worker function is pickled by name for the process pool
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+ARGS = ["--rules", "fedavg", "--attacks", "clean", "--seeds", "1", "--rounds", "2", "--jobs", "1"]
+
+
+def cached_row(robustness, **versions) -> dict:
+    """The cache row of the ARGS run under this checkout's source, as if computed under ``versions``."""
+    from fedtrust.sweeps.runner import source_hash
+
+    code = source_hash()
+    cfg = robustness.config("digits", "softmax", "fedavg", "clean", 0.2, 0, 2)
+    return {"key": robustness.key(cfg, code), "rule": "fedavg", "attack": "clean", "fraction": 0.2,
+            "seed": 0, "data": "digits", "code": code, "accuracy": 0.123456, "backdoor_asr": None,
+            "refused": 0, "failure": None, "seconds": 1.0, **versions}  # fmt: skip
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "versions", [{"torch": "1.0.0", "numpy": "1.0.0"}, {}], ids=["another torch and numpy", "not recorded"]
+)
+def test_a_run_cached_under_other_libraries_is_computed_again(robustness, tmp_path, capsys, versions):
+    (tmp_path / "runs.jsonl").write_text(json.dumps(cached_row(robustness, **versions)) + "\n")
+    robustness.main([*ARGS, "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    assert "1 runs to compute, 0 cached" in printed
+    assert "1 of them cached from this source under another torch or numpy" in printed
+    fresh = rows(tmp_path)[-1]
+    assert fresh["key"] == rows(tmp_path)[0]["key"]
+    assert (fresh["torch"], fresh["numpy"]) == tuple(robustness.libraries().values())
+    assert fresh["accuracy"] != 0.123456  # the stale number is not the report's
+    assert "0.123" not in (tmp_path / "digits.md").read_text()
+    # now it is this code's: reused, not computed again
+    robustness.main([*ARGS, "--out", str(tmp_path)])
+    assert "0 runs to compute, 1 cached" in capsys.readouterr().out
+    assert len(rows(tmp_path)) == 2
+
+
+def test_a_cached_only_report_names_the_versions_its_runs_were_computed_under(robustness, tmp_path, capsys):
+    (tmp_path / "runs.jsonl").write_text(json.dumps(cached_row(robustness)) + "\n")
+    robustness.main([*ARGS, "--out", str(tmp_path), "--cached-only"])
+    text = (tmp_path / "digits.md").read_text()
+    assert "versions not recorded: 1 runs" in text and "0.123" in text
+    (tmp_path / "runs.jsonl").write_text(json.dumps(cached_row(robustness, torch="9.9", numpy="8.8")) + "\n")
+    robustness.main([*ARGS, "--out", str(tmp_path), "--cached-only"])
+    assert "torch 9.9, numpy 8.8: 1 runs" in (tmp_path / "digits.md").read_text()
