@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
                     k = key(cfg, args.code)
                     row = cache.get(k)
                     # computing: only this very code's rows are reused; rendering: whatever is cached
-                    if row is not None and (args.cached_only or all(row.get(n) == v for n, v in here.items())):
+                    ours = row is not None and all(row.get(n) == v for n, v in here.items())
+                    if row is not None and (args.cached_only or ours):
                         results.setdefault((rule, attack, fraction), []).append(row)
                     else:
                         stale += row is not None
