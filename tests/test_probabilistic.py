@@ -54,6 +54,25 @@ def test_bootstrap_predictive_moments_are_eqs_4_and_5():
     )  # eq 5
 
 
+def test_an_ensemble_that_nearly_agrees_keeps_its_spread_in_float32():
+    """Eq 5 in float32 as the second moment less the squared mean loses every digit once the members
+    agree to a part in 1e4 (sigma off by up to 3.4x here, or 0); its value is the members' spread."""
+    data = cubic_toy()
+    model = build_model("mlp", data, hidden=8)
+    base = model.init(0)
+    scale = 1e-4 * base.abs().max()
+    members = base + scale * torch.randn(10, base.numel(), generator=G().manual_seed(0))
+    trust = torch.linspace(1.0, 1.01, 10)  # weights that differ by about 1e-3, as a robust fit gives
+    mu, sigma = bootstrap_predictive(model, fit_posterior(members, trust), data.x_test)
+    preds = torch.stack([model.forward(w, data.x_test).reshape(-1) for w in members]).double()
+    w = (trust / trust.sum()).double()
+    exact_mu = w @ preds
+    exact = (w @ (preds - exact_mu).square()).sqrt()
+    assert sigma.dtype == torch.float32 and bool((exact > 0).all())
+    # the spread of these very (float32) predictions, rounded once to float32
+    torch.testing.assert_close(sigma.double(), exact, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
+
+
 def test_a_quarantined_client_model_has_no_say_in_the_posterior_or_its_predictions():
     """Robust FedAG gives a quarantined client (a non-finite model) zero trust: it must not count at all,
     neither in the fitted Gaussian nor in the bootstrap ensemble (0 x NaN is NaN; before this a single

@@ -86,12 +86,16 @@ def ensemble_predictive(
 ):
     """(mu, sigma) of N(mu_y, sigma_y^2) from an ensemble (eqs 4-5): the (weighted) mean of the members'
     predictions and their (weighted) second moment minus the squared mean, plus ``noise_var``. Members of
-    zero weight do not count, whatever their predictions."""
+    zero weight do not count, whatever their predictions. Eq 5's second moment less the squared mean is
+    taken as the equal sum of squared deviations from the mean (the weights sum to 1), in float64: members
+    that agree to a part in 1e4 would leave float32's difference of two near-equal squares with no correct
+    digit (sigma off by 5-25%, or 0)."""
     preds = _predictions(model, weight_sets, x)
     _, preds, w = _members(preds, weights)  # a member of zero weight has no say
-    mu = w @ preds
-    var = (w @ preds.square() - mu.square()).clamp_min(0) + noise_var
-    return mu, var.sqrt()
+    exact, w64 = preds.to(torch.float64), w.to(torch.float64)
+    mu = w64 @ exact
+    var = w64 @ (exact - mu).square() + noise_var
+    return mu.to(preds.dtype), var.sqrt().to(preds.dtype)
 
 
 def bootstrap_predictive(
