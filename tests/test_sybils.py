@@ -231,6 +231,24 @@ def test_correlated_groups_never_merge_half_the_round():
     assert find_groups(x[:-1], sybils="copies").trivial
 
 
+@pytest.mark.parametrize("d", [3, 5, 10])
+def test_independent_clients_over_few_coordinates_are_not_linked_by_chance(d):
+    """Over a handful of coordinates independent updates correlate above the threshold by chance (7
+    clients over d = 3 linked in 56 of 200 rounds before), which says nothing about copying: there the
+    groups stay the exact copies. The chance is I_{1-t^2}((d-2)/2, 1/2) / 2 a pair; over 64 coordinates
+    it is nil, and noisy copies are merged as at any size."""
+    g = torch.Generator().manual_seed(d)
+    for _ in range(100):
+        x = torch.randn(7, d, generator=g)
+        assert find_groups(x).trivial
+        x[4:] = x[3]  # exact copies are still one vote
+        assert find_groups(x).members == ((0,), (1,), (2,), (3, 4, 5, 6))
+    assert sybils.chance_links(7, 3) > sybils.CHANCE_LINKS > sybils.chance_links(50, 16)
+    assert sybils.chance_links(1000, 64) < 1e-25
+    x = noisy(attacked(HONEST[:8, :64], "ipm", epsilon=3.0, bad=5), 5, 0.01)
+    assert find_groups(x).members[-1] == tuple(range(8, 13))
+
+
 @pytest.mark.parametrize("name", ["ivar_mle", "ivar_vb"])
 def test_honest_clients_that_share_one_offset_are_one_source_as_eq_3_says(name):
     """Four honest clients that share one offset from the truth (one data distribution among a few) look
