@@ -80,6 +80,8 @@ class BrokenClient:
             metrics["train_loss"] = 1e6
         if self.how == "nan metrics":
             metrics.update(loss=float("nan"), accuracy=0.0)
+        if self.how == "huge count":  # finite, but two of them sum past float64
+            metrics.update({"num-examples": 1e308, "loss": 0.01, "accuracy": 0.99})
         content = RecordDict(
             {"arrays": ArrayRecord({k: Array(v) for k, v in good.items()}), "metrics": MetricRecord(metrics)}
         )
@@ -200,6 +202,20 @@ def test_client_evaluations_with_a_non_finite_metric_are_left_out_of_the_average
     result = run(strategy, federation(extra=broken), rounds=1)
     evaluation = result.evaluate_metrics_clientapp[1]
     assert math.isfinite(evaluation["loss"]) and evaluation["accuracy"] > 0.5
+
+
+def test_two_nodes_claiming_1e308_examples_do_not_zero_the_round_evaluation(caplog):
+    """Their total was inf, each weighted metric inf / inf, which Flower's FedAvg reported as accuracy 0.0
+    and loss 0.0 without a word. Counts beyond float32 are left out of the metrics, as training quarantines
+    them, and the log says so."""
+    huge = {300 + i: (BrokenClient("huge count"), {}) for i in range(2)}
+    strategy = TrustStrategy(rule="mean", min_available_nodes=6, min_evaluate_nodes=6)
+    with caplog.at_level("WARNING"):
+        result = run(strategy, federation(extra=huge), rounds=1)
+    evaluation = result.evaluate_metrics_clientapp[1]
+    assert 0.5 < evaluation["accuracy"] < 0.99 and 0.01 < evaluation["loss"] < 10
+    line = next(x for x in caplog.text.splitlines() if "beyond float32's range (3.4e+38) left out" in x)
+    assert "num-examples" in line and "'300'" in line and "'301'" in line
 
 
 def test_focus_scores_updates_on_the_server_benchmark():

@@ -425,12 +425,21 @@ class TrustStrategy(FedAvg):
     def _aggregate_metrics(self, accepted: list[Reply], aggregate: MetricsAggregation, where: str) -> dict:
         """The replies' MetricRecords through Flower's aggregation function (``FedAvg``'s by default), on
         the keys every reply has in one form; a reply holding a non-finite number is left out (one NaN loss
-        would make the round's NaN); nothing when the counts sum to zero (nothing to weight by)."""
+        would make the round's NaN), and so is one whose count is beyond float32's range, as training
+        quarantines it (two nodes claiming 1e308 examples made the total inf, and every weighted metric
+        inf / inf, which Flower's FedAvg reported as 0.0); nothing when the counts sum to zero (nothing to
+        weight by)."""
+        limit = float(torch.finfo(torch.float32).max)
         finite = [r for r in accepted if _finite_metrics(r.metrics)]
         if len(finite) < len(accepted):
             left = [r.name for r in accepted if r not in finite]
             log(WARNING, "%s: replies with a non-finite metric left out of the metrics: %s", where, left)
-        accepted = finite
+        usable = [r for r in finite if r.number(self.weighted_by_key) <= limit]
+        if len(usable) < len(finite):
+            left = [r.name for r in finite if r not in usable]
+            log(WARNING, "%s: replies with %s beyond float32's range (%.3g) left out of the metrics: %s",
+                where, self.weighted_by_key, limit, left)  # fmt: skip
+        accepted = usable
         if not accepted or sum(r.number(self.weighted_by_key) for r in accepted) <= 0:
             log(WARNING, "%s: every reply has %s = 0; no metrics to aggregate", where, self.weighted_by_key)
             return {}
