@@ -55,6 +55,22 @@ def test_ipm_sends_minus_epsilon_times_the_benign_mean():
     torch.testing.assert_close(attack("ipm", epsilon=0.5)(ctx), (-0.5 * ctx.benign.mean(0)).expand(3, -1))
 
 
+@pytest.mark.parametrize("name, options", [("ipm", {"epsilon": 3.0}), ("mimic", {"target": 0})])
+def test_noisy_sybils_add_their_own_noise_of_a_share_of_the_honest_spread(name, options):
+    """``noise`` s: each corrupted client adds independent N(0, (s sd_k)^2) to what the group sends, sd_k the
+    benign updates' per-coordinate standard deviation: copies that are no longer copies, scattered about
+    the crafted vector by s times the honest spread."""
+    ctx = context(n=60, bad=20, d=4000)
+    exact = attack(name, **options)(ctx)
+    noisy = attack(name, **options, noise=0.3)(context(n=60, bad=20, d=4000))
+    assert torch.equal(attack(name, **options, noise=0.0)(ctx), exact)
+    assert len(set(map(tuple, noisy.tolist()))) == 20  # no two alike
+    ratio = (noisy - exact) / ctx.benign.std(0)
+    assert abs(float(ratio.std()) - 0.3) < 0.01 and abs(float(ratio.mean())) < 0.01
+    with pytest.raises(ValueError, match=f"attack {name}: noise"):
+        attack(name, noise=-1.0)
+
+
 def test_mimic_copies_the_benign_client_furthest_along_the_top_variance_direction():
     ctx = context(n=10, bad=3, d=6)
     benign = ctx.benign

@@ -132,18 +132,32 @@ class ALIE(Knowing):
         return (mean - z * std).expand(f, -1)
 
 
+def camouflaged(ctx: AttackContext, sent: torch.Tensor, noise: float, knowledge: str) -> torch.Tensor:
+    """``sent`` (num_bad, d) with independent N(0, (noise s_k)^2) added to each row and coordinate k, s the
+    known honest updates' per-coordinate standard deviation: a sybil group's copies no longer copies to
+    the rounding, for a defence that merges copies (``noise`` 0: ``sent`` itself, no draw)."""
+    if noise == 0:
+        return sent
+    _, std = ctx.mean_std(knowledge)
+    return sent + noise * std * ctx.draw(tuple(sent.shape))
+
+
 class IPM(Knowing):
     """Inner-product manipulation (Xie, Koyejo, Gupta 2020): every corrupted client sends -epsilon times
-    the benign clients' mean update."""
+    the benign clients' mean update. ``noise`` > 0: each adds its own independent noise of ``noise`` times
+    the benign clients' per-coordinate standard deviation (:func:`camouflaged`), so the identical vectors
+    are no longer exact copies (a sybil attacker's answer to a defence that merges copies)."""
 
     name = "ipm"
 
-    def __init__(self, epsilon: float = 0.1, knowledge: str = "omniscient"):
+    def __init__(self, epsilon: float = 0.1, knowledge: str = "omniscient", noise: float = 0.0):
         super().__init__(knowledge)
         self.epsilon = check_float("attack ipm: epsilon", epsilon, minimum=0.0)
+        self.noise = check_float("attack ipm: noise", noise, minimum=0.0)
 
     def __call__(self, ctx: AttackContext) -> torch.Tensor:
-        return (-self.epsilon * ctx.mean(self.knowledge)).expand(ctx.num_bad, -1)
+        sent = (-self.epsilon * ctx.mean(self.knowledge)).expand(ctx.num_bad, -1)
+        return camouflaged(ctx, sent, self.noise, self.knowledge)
 
 
 class Mimic:
@@ -158,16 +172,18 @@ class Mimic:
     warm-up; here it is chosen afresh each round from that round's benign updates, from their centred
     Gram matrix: z's scores are the top eigenvector of G, so no d-sized SVD). An integer ``target`` k
     copies the k-th benign client of the round (modulo their number). Benign updates that are not finite
-    (local training that diverged) are never copied."""
+    (local training that diverged) are never copied. ``noise`` > 0: each copy gets its own independent
+    noise of ``noise`` times the benign clients' per-coordinate standard deviation (:func:`camouflaged`)."""
 
     uses_own_update = False
     colluding = True
 
-    def __init__(self, target: str | int = "variance"):
+    def __init__(self, target: str | int = "variance", noise: float = 0.0):
         if isinstance(target, str):
             self.target = check_choice("attack mimic: target", target, ("variance",))
         else:
             self.target = check_int("attack mimic: target", target, minimum=0)
+        self.noise = check_float("attack mimic: noise", noise, minimum=0.0)
 
     def choose(self, benign: torch.Tensor) -> int:
         """The position, among ``benign``, of the client to copy."""
@@ -185,7 +201,8 @@ class Mimic:
             pick = self.choose(ctx.updates.index_select(0, rows))
         else:
             pick = self.target % len(rows)
-        return ctx.updates[int(rows[pick])].expand(ctx.num_bad, -1)
+        sent = ctx.updates[int(rows[pick])].expand(ctx.num_bad, -1)
+        return camouflaged(ctx, sent, self.noise, "omniscient")
 
 
 class Crash:
