@@ -102,6 +102,16 @@ def test_crash_sends_non_finite_values():
     assert torch.isinf(attack("crash", value=float("inf"))(context())).all()
 
 
+def test_crash_refuses_a_finite_value_beyond_float32_naming_it():
+    """1e39 passed the config's validation, then failed the run inside torch ("value cannot be converted
+    to type float without overflow")."""
+    with pytest.raises(
+        ValueError, match=r"attack crash: value 1e\+39 overflows float32 \(max 3.4e\+38\); use inf"
+    ):
+        attack("crash", value=1e39)
+    assert torch.equal(attack("crash", value=-3e38)(context()), torch.full((3, 6), -3e38))
+
+
 def test_bad_attack_options_are_clear():
     with pytest.raises(ValueError, match=r"attack gaussian: of must be one of 'params', 'update'; got 'x'"):
         attack("gaussian", of="x")

@@ -13,6 +13,7 @@ attacker most benchmarks run (ByzFL's, Karimireddy et al.'s). The attacks that s
 
 from __future__ import annotations
 
+import math
 from statistics import NormalDist
 
 import torch
@@ -20,6 +21,8 @@ import torch
 from fedtrust._checks import check_bool, check_choice, check_float, check_int
 from fedtrust.aggregators.distances import gram
 from fedtrust.attacks.context import AttackContext, Knowing
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class Gaussian:
@@ -206,7 +209,9 @@ class Mimic:
 
 
 class Crash:
-    """A broken device: sends NaN (or ``value``, e.g. inf) in every coordinate. Rules quarantine it."""
+    """A broken device: sends NaN (or ``value``, e.g. inf) in every coordinate. Rules quarantine it.
+    ``value`` must be NaN, infinite or a float32 number (fedtrust's models, and so the updates, are
+    float32): a finite value beyond float32's range has no float32 value to send, and is refused."""
 
     uses_own_update = False
 
@@ -214,6 +219,11 @@ class Crash:
         if not isinstance(value, float | int) or isinstance(value, bool):
             raise TypeError(f"attack crash: value must be a number, got {value!r}")
         self.value = float(value)
+        if math.isfinite(self.value) and abs(self.value) > _FLOAT32_MAX:
+            raise ValueError(
+                f"attack crash: value {value!r} overflows float32 (max {_FLOAT32_MAX:.2g}); use inf to send "
+                "infinities"
+            )
 
     def __call__(self, ctx: AttackContext) -> torch.Tensor:
         return torch.full_like(ctx.own, self.value)
