@@ -65,6 +65,11 @@ def test_bad_backdoor_options_are_named():
         Backdoor((13,))
     with pytest.raises(ValueError, match="size 9 does not fit"):
         Backdoor((1, 8, 8), size=9)
+    with pytest.raises(ValueError, match=r"^corruption dba: parts 9 need a trigger of at least 9 rows, which "
+                       r"does not fit in 8x8 images; give parts <= 8$"):  # fmt: skip
+        DistributedBackdoor((1, 8, 8), parts=9)  # the user set parts, not size
+    with pytest.raises(ValueError, match="size 9 does not fit"):
+        DistributedBackdoor((1, 8, 8), size=9, parts=2)
     with pytest.raises(ValueError, match="target 12 is not a class"):
         Backdoor((1, 8, 8), target=12)(torch.zeros(1, 64), torch.zeros(1, dtype=torch.long), 10, None)
 

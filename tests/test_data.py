@@ -193,6 +193,22 @@ def test_overlapping_shares_a_pool_of_the_requested_size():
         ("dirichlet", {"alpha": -1}, 5, r"partition dirichlet: alpha must be > 0.0, got -1"),
         ("shards", {"per_client": 0}, 5, r"partition shards: per_client must be >= 1, got 0"),
         ("iid", {}, 10**6, r"cannot give 1000000 clients at least one of only 1347"),
+        # the option the user set, not 2000 "clients" (20 x 100)
+        (
+            "shards",
+            {"per_client": 100},
+            20,
+            r"^partition shards: 20 clients x per_client=100 shards each = 2000 shards > 1347 training rows; "
+            r"lower per_client to at most 67$",
+        ),
+        (
+            "quantity_skew",
+            {"min_size": 100},
+            20,
+            r"^partition quantity_skew: 20 clients x min_size=100 rows each = 2000 rows > 1347 training rows",
+        ),
+        ("dirichlet", {"min_size": 100}, 20, r"^partition dirichlet: 20 clients x min_size=100 rows each"),
+        ("shards", {}, 10**6, r"cannot give 1000000 clients at least one of only 1347"),
         ("natural", {}, 5, r"digits has no natural split by owner"),
         ("dirichlet", {"alpah": 1}, 5, r"partition 'dirichlet' has no option 'alpah'; its options: alpha"),
     ],

@@ -102,7 +102,13 @@ class DistributedBackdoor(Backdoor):
                  parts: int = 4):  # fmt: skip
         self.parts = check_int("corruption dba: parts", parts, minimum=1)
         if size is None and isinstance(input_shape, list | tuple) and len(input_shape) == 3:
-            size = max(parts, 2, int(input_shape[1]) // 7)
+            h, w = int(input_shape[1]), int(input_shape[2])
+            if self.parts > min(h, w):
+                raise ValueError(
+                    f"corruption dba: parts {self.parts} need a trigger of at least {self.parts} rows, which "
+                    f"does not fit in {h}x{w} images; give parts <= {min(h, w)}"
+                )
+            size = max(self.parts, 2, h // 7)
         super().__init__(input_shape, target, size, value)
         if self.parts > self.size:
             raise ValueError(

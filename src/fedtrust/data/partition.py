@@ -26,6 +26,17 @@ def _check_clients(clients: int, rows: int) -> None:
         raise ValueError(f"cannot give {clients} clients at least one of only {rows} training rows")
 
 
+def _check_each(who: str, option: str, each: int, unit: str, clients: int, rows: int) -> None:
+    """Refuse an option that gives each client ``each`` units of at least one row (``min_size`` rows,
+    ``per_client`` shards) when the clients need more rows than there are, naming the option."""
+    _check_clients(clients, rows)
+    if clients * each > rows:
+        raise ValueError(
+            f"partition {who}: {clients} clients x {option}={each} {unit} each = {clients * each} {unit} "
+            f"> {rows} training rows; lower {option} to at most {rows // clients}"
+        )
+
+
 class IID:
     """Uniformly shuffled, near-equal shares."""
 
@@ -47,7 +58,7 @@ class Dirichlet:
 
     def __call__(self, dataset: Dataset, clients: int, g: torch.Generator) -> list[torch.Tensor]:
         y = _labels(dataset, "dirichlet")
-        _check_clients(clients * max(1, self.min_size), len(y))
+        _check_each("dirichlet", "min_size", self.min_size, "rows", clients, len(y))
         concentration = torch.full((clients,), self.alpha, dtype=torch.float64)
         for _ in range(1000):
             parts: list[list[torch.Tensor]] = [[] for _ in range(clients)]
@@ -87,7 +98,7 @@ class Shards:
     def __call__(self, dataset: Dataset, clients: int, g: torch.Generator) -> list[torch.Tensor]:
         y = _labels(dataset, "shards")
         count = clients * self.per_client
-        _check_clients(count, len(y))
+        _check_each("shards", "per_client", self.per_client, "shards", clients, len(y))
         order = torch.argsort(y, stable=True)
         shards = order.tensor_split(count)
         pick = torch.randperm(count, generator=g).reshape(clients, self.per_client)
@@ -104,7 +115,7 @@ class QuantitySkew:
 
     def __call__(self, dataset: Dataset, clients: int, g: torch.Generator) -> list[torch.Tensor]:
         n = len(dataset)
-        _check_clients(clients * self.min_size, n)
+        _check_each("quantity_skew", "min_size", self.min_size, "rows", clients, n)
         p = _dirichlet(torch.full((clients,), self.alpha, dtype=torch.float64), g)
         extra = n - clients * self.min_size
         sizes = self.min_size + (p * extra).floor().long()
