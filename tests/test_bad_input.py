@@ -146,12 +146,43 @@ def test_overflowing_update_is_quarantined():
     x = torch.randn(5, 4)
     x[1] = 3e19  # finite in float32, but its squared norm is not
     out = rule("geometric_median")(Round(updates=x))
-    assert "overflows float32" in out.info["quarantined"][1]
+    assert "too large to square in float32" in out.info["quarantined"][1]
     assert torch.isfinite(out.vector).all()
     # the mean screens by its result (one pass): a large finite update is harmless to it and is kept
     out = rule("mean")(Round(updates=x))
     assert "quarantined" not in out.info
     torch.testing.assert_close(out.vector, x.mean(0))
+
+
+def test_quarantine_reasons_name_what_overflowed():
+    """The reasons said 'update norm 2.83e+19 overflows float32' (the norm fits; its square does not),
+    the same of a bfloat16 update (squared in float32, the round's dtype), and 'num_samples=inf' of a
+    client that reported 1e300 (float32 made it inf)."""
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    x[5] = 1e19
+    assert rule("median")(Round(updates=x)).info["quarantined"] == {
+        5: "update norm 2.83e+19 is too large to square in float32, the round's dtype (its square exceeds "
+        "3.4e+38; the norm limit is 1.84e+19)"
+    }
+    x = x.bfloat16()
+    x[5] = 1e30
+    assert (
+        rule("krum")(Round(updates=x))
+        .info["quarantined"][5]
+        .startswith("update norm 2.83e+30 is too large to square in float32, the round's dtype")
+    )
+    x = x.double()  # the norm is taken without squaring entries past float64's range
+    x[5] = 1e300
+    assert (
+        rule("median")(Round(updates=x))
+        .info["quarantined"][5]
+        .startswith("update norm 2.83e+300 is too large to square in float64")
+    )
+    out = rule("median")(Round(updates=torch.randn(6, 8), num_samples=[1e300, math.inf, 1, 1, 1, 1]))
+    assert out.info["quarantined"] == {
+        0: "num_samples=1e+300 overflows float32, the round's dtype (max 3.4e+38)",
+        1: "num_samples=inf is not a finite non-negative count",
+    }
 
 
 @pytest.mark.parametrize("name", ["mean", "fedavg"])

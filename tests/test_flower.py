@@ -71,6 +71,8 @@ class BrokenClient:
             good = {k: v.astype(">f4") for k, v in good.items()}
         if self.how in ("int64", "complex128", "longdouble"):
             good["weight"] = good["weight"].astype(self.how)
+        if self.how == "float64 beyond float32":  # finite in the reply
+            good = {k: np.full(v.shape, 1e39) for k, v in good.items()}
         if self.how == "reordered":
             good = dict(reversed(good.items()))
         metrics = {"num-examples": 10, "train_loss": 1.0}
@@ -156,6 +158,17 @@ def test_a_reply_in_another_float_layout_is_read_and_one_that_is_not_floats_is_d
         assert (
             record["dropped"][node] == f"array 'weight' holds {dtype}, expected float16, float32 or float64"
         )
+
+
+def test_a_reply_whose_finite_values_overflow_the_models_dtype_is_quarantined_saying_so():
+    """A float64 reply of 1e39 is finite; read into the float32 round it is inf. It is quarantined, as
+    before, but the reason no longer says the client sent "non-finite entries (0 NaN, 650 Inf)"."""
+    strategy = TrustStrategy(rule="median", fraction_evaluate=0.0, min_available_nodes=5)
+    run(strategy, federation(extra={200: (BrokenClient("float64 beyond float32"), {})}), rounds=1)
+    assert strategy.history[-1]["quarantined"] == {
+        "200": "the reply's finite values overflow float32 when converted: 650 of them in 'weight' (float64), "
+        "'bias' (float64), up to 1e+39, exceed float32's max 3.4e+38"
+    }
 
 
 def test_a_count_too_large_for_the_rounds_is_left_out_of_arfls_initial_report_too():

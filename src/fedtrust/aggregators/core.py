@@ -133,8 +133,9 @@ class Round:
                   (or a list of them) is made dense, and a numpy array or nested list taken as one.
     client_ids:   n distinct stable ids (rules that learn reputation key their state by id);
                   default ``0..n-1``.
-    num_samples:  (n,) reported sample counts; default all ones. A client's non-finite or negative
-                  count quarantines that client.
+    num_samples:  (n,) reported sample counts, in the updates' dtype; default all ones. A client's
+                  non-finite or negative count (or one beyond the dtype: 1e300 in float32) quarantines
+                  that client. ``reported_samples`` (set, not given) holds them as given.
     metrics:      name -> (n,) client-reported scalars ("train_loss" for ARFL and FOCUS).
     reference:    optional :class:`~fedtrust.aggregators.info.Reference`: the server's trusted benchmark
                   split, ``reference(update) -> mean loss`` of the model one update gives (FOCUS's eq 4,
@@ -154,6 +155,7 @@ class Round:
     reference: Reference | None = None
     previous: torch.Tensor | None = None
     quarantined: Mapping[Hashable, str] = field(default_factory=dict)
+    reported_samples: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         x = _as_tensor("Round.updates", self.updates)
@@ -177,14 +179,15 @@ class Round:
         set_(self, "client_ids", ids)
 
         if self.num_samples is None:
-            counts = torch.ones(n, dtype=x.dtype, device=x.device)
+            reported = torch.ones(n, dtype=x.dtype, device=x.device)
         else:
-            counts = _as_tensor("Round.num_samples", self.num_samples, x.device).to(x.dtype).reshape(-1)
-            if counts.numel() != n:
+            reported = _as_tensor("Round.num_samples", self.num_samples, x.device).reshape(-1)
+            if reported.numel() != n:
                 raise ValueError(
-                    f"Round.num_samples must have one entry per client ({n}), got {counts.numel()}"
+                    f"Round.num_samples must have one entry per client ({n}), got {reported.numel()}"
                 )
-        set_(self, "num_samples", counts)
+        set_(self, "num_samples", reported.to(x.dtype))
+        set_(self, "reported_samples", reported)  # as given: the front door names a count that overflowed
 
         if not isinstance(self.metrics, Mapping):
             raise TypeError(

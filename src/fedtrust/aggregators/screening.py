@@ -89,9 +89,19 @@ def _screen_updates(round: Round, sizes: bool = True) -> dict[int, str]:
         if nan or inf:
             bad[i] = f"update has non-finite entries ({nan} NaN, {inf} Inf of {round.d})"
         elif sizes:
-            dtype = str(x.dtype).removeprefix("torch.")
-            bad[i] = f"update norm {float(row.double().norm()):.3g} overflows {dtype}"
+            bad[i] = _too_large(row)
     return bad
+
+
+def _too_large(row: torch.Tensor) -> str:
+    """Why a finite update was refused for its size: the norm fits the dtype, its square does not."""
+    scale = row.abs().max().double()
+    norm = float(scale * (row.double() / scale).norm())  # scaled: a float64 row's squares may overflow
+    dtype = str(row.dtype).removeprefix("torch.")
+    return (
+        f"update norm {norm:.3g} is too large to square in {dtype}, the round's dtype (its square exceeds "
+        f"{torch.finfo(row.dtype).max:.3g}; the norm limit is {norm_limit(row.dtype):.3g})"
+    )
 
 
 def _screen_scalars(round: Round, requires: Sequence[str], rule: str) -> dict[int, str]:
@@ -102,7 +112,16 @@ def _screen_scalars(round: Round, requires: Sequence[str], rule: str) -> dict[in
     if not requires and len(counts) and float(counts.min()) >= 0 and math.isfinite(float(counts.sum())):
         return bad
     for i in torch.nonzero(~(torch.isfinite(counts) & (counts >= 0))).flatten().tolist():
-        bad.setdefault(i, f"num_samples={counts[i].item()!r} is not a finite non-negative count")
+        reported = round.reported_samples[i].item()  # as the client gave it, before the round's dtype
+        if math.isfinite(reported) and reported >= 0:
+            dtype = str(counts.dtype).removeprefix("torch.")
+            reason = (
+                f"num_samples={reported!r} overflows {dtype}, the round's dtype (max "
+                f"{torch.finfo(counts.dtype).max:.3g})"
+            )
+        else:
+            reason = f"num_samples={reported!r} is not a finite non-negative count"
+        bad.setdefault(i, reason)
     for name in requires:
         if name not in round.metrics:
             raise ValueError(

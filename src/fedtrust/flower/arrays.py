@@ -74,6 +74,28 @@ class ArrayLayout:
         native = values.astype(values.dtype.newbyteorder("="), copy=False)
         return torch.as_tensor(np.ascontiguousarray(native), dtype=self.dtype).reshape(-1)
 
+    def overflow(self, record: ArrayRecord) -> str | None:
+        """Where :meth:`flatten` turned finite values of ``record`` into infinities (float64 1e39 read into
+        a float32 vector), saying so; None where it did not."""
+        over, top, arrays, own = 0, 0.0, [], 0
+        for name, floating in zip(self.names, self.floating, strict=True):
+            if floating:
+                given = record[name].numpy().reshape(-1)
+                finite = np.isfinite(given)
+                lost = finite & ~np.isfinite(self._floats(name, given).numpy())
+                own += int((~finite).sum())
+                if lost.any():
+                    over, top = over + int(lost.sum()), max(top, float(np.abs(given[lost]).max()))
+                    arrays.append(f"{name!r} ({given.dtype})")
+        if not over:
+            return None
+        dtype, most = str(self.dtype).removeprefix("torch."), torch.finfo(self.dtype).max
+        also = f"; the reply also holds {own} NaN or Inf" if own else ""
+        return (
+            f"the reply's finite values overflow {dtype} when converted: {over} of them in "
+            f"{', '.join(arrays)}, up to {top:.3g}, exceed {dtype}'s max {most:.3g}{also}"
+        )
+
     def unflatten(self, vector: torch.Tensor) -> ArrayRecord:
         """An ArrayRecord of ``vector`` (each array in its own dtype) and the kept non-floating arrays."""
         if vector.shape != (self.size,):

@@ -395,7 +395,11 @@ class TrustStrategy(FedAvg):
         step = server_step(self.rule, round_, self.global_vector, lambda delta: self.global_vector + delta)
         corrupted = [name in self.corrupted for name in names]
         by_name = {str(self._key(r)): name for r, name in zip(accepted, names, strict=True)}
-        quarantined = {by_name.get(str(k), str(k)): reason for k, reason in step.quarantined.items()}
+        sent = {str(self._key(r)): r for r in accepted}
+        quarantined = {
+            by_name.get(str(k), str(k)): self._overflowed(sent.get(str(k))) or reason
+            for k, reason in step.quarantined.items()
+        }
         record.update(num_samples=counts, corrupted=corrupted, weights=step.weights,
                       train_loss=metrics.get("train_loss"), quarantined=quarantined, info=step.info,
                       auroc=None if step.error else detection_auroc(step.weights, corrupted))  # fmt: skip
@@ -413,6 +417,15 @@ class TrustStrategy(FedAvg):
         out = {**aggregated, **trust, "dropped": len(dropped), "quarantined": len(step.quarantined)}
         record["train_metrics"] = out
         return self.layout.unflatten(step.vector), MetricRecord(out)
+
+    def _overflowed(self, reply: Reply | None) -> str | None:
+        """Why a quarantined reply's update held infinities its arrays did not (finite values beyond the
+        model's dtype, which overflowed when read): the rule's reason ("non-finite entries") would blame
+        the client for values it never sent. None where nothing overflowed."""
+        if reply is None:
+            return None
+        (record,) = reply.content.array_records.values()
+        return self.layout.overflow(record)
 
     def _keep(self, record: dict[str, Any], error: str) -> tuple[ArrayRecord, MetricRecord]:
         """A round with nothing to apply: the previous model again (Flower's result would otherwise hold no
