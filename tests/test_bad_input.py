@@ -33,6 +33,28 @@ from fedtrust.rules import UnknownRuleError
         ({"updates": torch.zeros(2, 3, dtype=torch.bool)}, TypeError, r"real numbers, got dtype torch.bool"),
         ({"updates": torch.zeros(2, 3, dtype=torch.complex64)}, TypeError, r"real numbers"),
         ({"updates": "garbage"}, TypeError, r"Round.updates"),
+        # each failed inside torch, or with "must be array-like numbers, got list"
+        (
+            {"updates": torch.zeros(2, 3, dtype=torch.float8_e4m3fn)},
+            TypeError,
+            r"^Round.updates holds torch.float8_e4m3fn, which the rules cannot compute in; give float16, "
+            r"bfloat16, float32 or float64$",
+        ),
+        (
+            {"updates": torch.zeros(2, 3), "num_samples": [2**70, 1]},
+            TypeError,
+            r"^Round.num_samples holds 1180591620717411303424 \(int\): an integer beyond int64 \(give it as "
+            r"a float\)$",
+        ),
+        ({"updates": torch.zeros(2, 3), "num_samples": [1, None]}, TypeError, r"holds None \(NoneType\)"),
+        pytest.param(
+            {"updates": np.zeros((2, 3), dtype=np.longdouble)},
+            TypeError,
+            r"^Round.updates must be array-like numbers torch reads, got ndarray of dtype float128$",
+            marks=pytest.mark.skipif(
+                np.dtype(np.longdouble).itemsize <= 8, reason="longdouble is float64 here"
+            ),
+        ),
         (
             {"updates": torch.zeros(2, 3), "client_ids": ["a"]},
             ValueError,

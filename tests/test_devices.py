@@ -69,6 +69,23 @@ def test_rule_computes_on_the_rounds_device(name, options, dtype):
         torch.testing.assert_close(on_host(out.weights), expected.weights, **tol)
 
 
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"updates": torch.ones(4, 3, device="meta")}, "updates"),
+        ({"updates": torch.ones(4, 3), "num_samples": torch.ones(4, device="meta")}, "num_samples"),
+        ({"updates": torch.ones(4, 3), "metrics": {"train_loss": torch.ones(4, device="meta")}}, "metrics"),
+    ],
+)
+def test_a_meta_tensor_holds_no_values_and_is_refused_naming_its_field(fields, field):
+    """A plain meta tensor has a shape and no data (the emulated device above presents CPU data as meta):
+    a rule on one failed inside torch ("Tensor.item() cannot be called on meta tensors"), and counts on
+    meta beside CPU updates with "Cannot copy out of meta tensor"."""
+    with pytest.raises(ValueError, match=rf"^Round.{field}.* is a meta tensor: it has a shape \(4.*\) but no "
+                       r"values to read; give the tensor with its data \(on the CPU or a GPU\)$"):  # fmt: skip
+        rule("mean")(Round(**fields))
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_rule_takes_non_contiguous_float32_updates(name):
     """A transposed view (clients along columns in memory) gives the contiguous result."""

@@ -78,13 +78,30 @@ def _as_tensor(field_name: str, value: Any, device: torch.device | None = None) 
     else:
         try:
             array = np.asarray(value)
-            if any(stride < 0 for stride in array.strides):  # a reversed view, which torch cannot share
-                array = np.ascontiguousarray(array)
-            t = torch.as_tensor(array)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"{field_name} must be array-like numbers, got {type(value).__name__}") from exc
+        odd = [v for v in array.flat if np.asarray(v).dtype == object] if array.dtype == object else []
+        if odd:  # None, or an integer beyond int64 (2**70), among the numbers
+            why = (
+                "an integer beyond int64 (give it as a float)" if isinstance(odd[0], int) else "not a number"
+            )
+            raise TypeError(f"{field_name} holds {odd[0]!r} ({type(odd[0]).__name__}): {why}")
+        if any(stride < 0 for stride in array.strides):  # a reversed view, which torch cannot share
+            array = np.ascontiguousarray(array)
+        try:
+            t = torch.as_tensor(array)
+        except (TypeError, ValueError) as exc:  # float128, strings
+            raise TypeError(
+                f"{field_name} must be array-like numbers torch reads, got {type(value).__name__} of dtype "
+                f"{array.dtype}"
+            ) from exc
     if t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"{field_name} must hold real numbers, got dtype {t.dtype}")
+    if t.is_meta and type(t) is torch.Tensor:  # (a tensor subclass may present data as meta)
+        raise ValueError(
+            f"{field_name} is a meta tensor: it has a shape {tuple(t.shape)} but no values to read; give "
+            "the tensor with its data (on the CPU or a GPU)"
+        )
     return t if device is None else t.to(device)
 
 
@@ -129,7 +146,8 @@ class Round:
     """What the server knows this round (see DESIGN.md, "The one core contract").
 
     updates:      (n, d) floating tensor, one flat vector per reporting client (parameters or deltas).
-                  float16/bfloat16 are computed in float32; float64 stays float64; a sparse tensor
+                  float16/bfloat16 are computed in float32; float64 stays float64 (float8 is refused); a
+                  meta tensor, which holds no values, is refused in every field; a sparse tensor
                   (or a list of them) is made dense, and a numpy array or nested list taken as one.
     client_ids:   n distinct stable ids (rules that learn reputation key their state by id);
                   default ``0..n-1``.
@@ -163,6 +181,11 @@ class Round:
             raise TypeError(f"Round.updates must hold floating-point numbers, got dtype {x.dtype}")
         if x.dtype in _HALF:
             x = x.float()
+        elif x.dtype not in (torch.float32, torch.float64):
+            raise TypeError(
+                f"Round.updates holds {x.dtype}, which the rules cannot compute in; give float16, bfloat16, "
+                "float32 or float64"
+            )
         if x.dim() != 2:
             raise ValueError(f"Round.updates must be a 2-D (n_clients, d) array, got shape {tuple(x.shape)}")
         n, d = x.shape
