@@ -11,6 +11,7 @@ options in ``ATTACKS`` below):
   each round against the server's own rule);
 - ``mimic``: every corrupted client sends a copy of one benign client's update (a sybil group of copies);
 - ``sybil_ipm``: every corrupted client sends the same crafted vector, -3 x the benign mean;
+  ``noisy_sybil_ipm`` the same plus each client's own noise of 0.3 x the honest per-coordinate spread;
 - ``backdoor``: BadNets (a corner trigger on half of each corrupted client's rows, labelled 0),
   with model replacement's boost n / eta on every corrupted client; the cell is clean accuracy, the
   attack success rate beside it;
@@ -64,6 +65,9 @@ ATTACKS = {
     "optimal_alie": {"name": "optimal_alie", "grid": 6, "steps": 4},
     "mimic": {"name": "mimic", "target": 0},
     "sybil_ipm": {"name": "ipm", "epsilon": 3.0},
+    # the same crafted vector, each attacker adding its own noise of 0.3 x the honest per-coordinate spread:
+    # no longer copies to the rounding, correlated below the merge's 0.95 ("Noisy copies" in the README)
+    "noisy_sybil_ipm": {"name": "ipm", "epsilon": 3.0, "noise": 0.3},
     "backdoor": {"name": "backdoor", "samples": 0.5, "attack": {"name": "model_replacement"}},
     "backdoor_split": {
         "name": "backdoor",
