@@ -2,6 +2,7 @@
 detected and named, a run resumes from its last good checkpoint, one process writes a run directory,
 a run is identified by what it computes, and a failed run says so."""
 
+import functools
 import json
 import math
 import os
@@ -208,6 +209,12 @@ def test_a_checkpoint_the_rule_refuses_is_skipped(tmp_path, whole):
         (lambda lines: lines[:2] + [b"{garbled"] + lines[3:], r"line 3 is not a JSON record \(garbled\)"),
         (lambda lines: lines[:2] + lines[3:], "line 3 holds round 4, expected round 3"),
         (lambda lines: lines[:-1], None),  # a finished run missing its last round (past the checkpoint)
+        (  # valid JSON holding a value of the wrong kind: skipped as fresh, then a traceback in the report
+            lambda lines: (
+                lines[:2] + [lines[2].replace(b'"accuracy": ', b'"accuracy": "high", "was": ')] + lines[3:]
+            ),
+            'line 3: metrics.accuracy is "high", not a number',
+        ),
     ],
 )
 def test_a_finished_run_with_damaged_round_records_is_redone_not_skipped(tmp_path, whole, damage, problem):
@@ -690,20 +697,57 @@ def test_the_report_leaves_out_an_unreadable_run_and_names_its_file(tmp_path):
     assert cell.endswith("(1/2 unfinished)")  # one seed's number, and the cell says so
 
 
-@pytest.mark.parametrize(("field", "value"), [("config", 5), ("swept", []), ("status", 1), ("versions", "x")])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("config", 5), ("swept", []), ("status", 1), ("versions", "x"), ("config.rule", "median"),
+     ("config.rule.name", 3), ("config.train", []), ("seed", "one"), ("index", "first")],
+)  # fmt: skip
 def test_a_manifest_field_of_the_wrong_shape_is_named_not_met_deep_in_a_report(tmp_path, field, value):
-    """A hand-edited or damaged manifest whose config is 5 made the report raise AttributeError: now the
-    run is unreadable, named with the field, and the others are still reported."""
+    """A hand-edited or damaged manifest whose config is 5, or whose config.rule is "median", made the
+    report raise AttributeError: now the run is unreadable, named with the field, and the others are still
+    reported."""
     from fedtrust.report import write_report
     from fedtrust.report.results import load_runs
 
     run_experiment(config(train__rounds=1, sweep={"seed": [0, 1]}), tmp_path, progress=False)
     path = tmp_path / "t" / "seed=1" / "manifest.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    manifest = json.loads(path.read_text())
+    *parents, key = field.split(".")
+    functools.reduce(dict.__getitem__, parents, manifest)[key] = value
+    path.write_text(json.dumps(manifest))
     unreadable, finished = load_runs(tmp_path / "t")  # an unreadable run has no place in the sweep: first
     assert (unreadable.status, finished.status) == ("unreadable", "finished")
     assert f"{path}: {field} is {json.dumps(value)}, not a JSON " in unreadable.reason
     assert "## Unreadable runs" in write_report(tmp_path / "t").read_text()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("metrics", {"accuracy": "high"}, 'metrics.accuracy is "high", not a number'),
+        ("weights", [None, 0.5], "weights is [null, 0.5], not a list of numbers"),
+        ("weights", [0.5, 0.5], "weights has 2 entries for 6 clients"),
+        ("clients", 5, "clients is 5, not a list of names"),
+        ("corrupted", None, "corrupted is null, not a list of true/false"),
+        ("info", {"groups": [3]}, "info.groups is [3], not a list of groups with their clients"),
+    ],
+)
+def test_a_report_names_a_run_file_with_a_wrong_type_and_goes_on(tmp_path, field, value, problem):
+    """Valid JSON holding a value of the wrong kind (an accuracy of "high", a null weight, clients: 5) made
+    the report raise TypeError from deep inside it: now the run is unreadable, named with its file, line,
+    field and value, and the others are still reported."""
+    from fedtrust.report import write_report
+    from fedtrust.report.results import load_runs
+
+    run_experiment(config(train__rounds=2, sweep={"seed": [0, 1]}), tmp_path, progress=False)
+    rounds = tmp_path / "t" / "seed=1" / "rounds.jsonl"
+    first, second = rounds.read_text().splitlines()
+    rounds.write_text(f"{first}\n{json.dumps({**json.loads(second), field: value})}\n")
+    runs = load_runs(tmp_path / "t")
+    assert [r.status for r in runs] == ["finished", "unreadable"]
+    assert runs[1].reason == f"{rounds}, line 2: {problem}"
+    text = write_report(tmp_path / "t").read_text()
+    assert f"line 2: {problem}" in text and "(1/2 unfinished)" in text
 
 
 def test_manifest_records_identity_and_time(tmp_path):

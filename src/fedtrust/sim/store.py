@@ -21,7 +21,7 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -90,9 +90,72 @@ class RunLocked(RuntimeError):
     """Another process is writing this run directory; the message says which."""
 
 
-#: The manifest fields every reader looks into, and what each must be (a damaged or hand-edited file with
-#: another shape is refused by name, not met as an AttributeError deep in a report).
-MANIFEST_FIELDS = {"config": dict, "swept": dict, "versions": dict, "status": str, "experiment": str}
+#: The manifest fields every reader looks into (``a.b``: field b of a), and what each must be (a damaged or
+#: hand-edited file with another shape is refused by name, not met as an AttributeError deep in a report).
+MANIFEST_FIELDS = {"config": dict, "config.rule": dict, "config.rule.name": str, "config.train": dict,
+                   "swept": dict, "versions": dict, "status": str, "experiment": str, "seed": int,
+                   "index": int}  # fmt: skip
+_JSON_KINDS = {dict: "object", str: "string", int: "integer"}
+
+
+def field_at(tree: Any, dotted: str) -> Any:
+    """The value at ``dotted`` (``a.b``: field b of a) in nested dicts, or None where there is none."""
+    node = tree
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _list_of(fits: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, list) and all(map(fits, value))
+
+
+def _kind(kind: type) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, kind)
+
+
+#: The fields of a round's record that readers look into (the report, a resume): what each must be, a test
+#: of it, and whether it may be null or missing.
+ROUND_FIELDS = {
+    "clients": ("a list of names", _list_of(_kind(str)), False),
+    "corrupted": ("a list of true/false", _list_of(_kind(bool)), False),
+    "weights": ("a list of numbers", _list_of(_number), False),
+    "metrics": ("a JSON object", _kind(dict), True),
+    "auroc": ("a number", _number, True),
+    "error": ("a string", _kind(str), True),
+    "info": ("a JSON object", _kind(dict), True),
+    "quarantined": ("a JSON object", _kind(dict), True),
+    "dropped": ("a JSON object", _kind(dict), True),
+}
+_GROUPS = _list_of(lambda group: isinstance(group, dict) and isinstance(group.get("clients"), list))
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value)[:80]
+
+
+def record_fault(record: dict[str, Any]) -> str | None:
+    """What in a round's record is not of the kind :data:`ROUND_FIELDS` says, or the kind its metrics
+    (numbers, lists of numbers, or null) and ``info.groups`` must be, named with its value; None when
+    nothing is."""
+    for key, (kind, fits, optional) in ROUND_FIELDS.items():
+        value = record.get(key)
+        if not (value is None and optional or fits(value)):
+            return f"{key} is {_shown(value) if key in record else 'missing'}, not {kind}"
+    for key in ("corrupted", "weights"):
+        if len(record[key]) != len(record["clients"]):
+            return f"{key} has {len(record[key])} entries for {len(record['clients'])} clients"
+    for name, value in (record.get("metrics") or {}).items():
+        if not (value is None or _number(value) or _list_of(_number)(value)):
+            return f"metrics.{name} is {_shown(value)}, not a number"
+    groups = (record.get("info") or {}).get("groups")
+    if not (groups is None or _GROUPS(groups)):
+        return f"info.groups is {_shown(groups)}, not a list of groups with their clients"
+    return None
 
 
 class RunStore:
@@ -166,11 +229,12 @@ class RunStore:
             ) from None
         if not isinstance(manifest, dict):
             raise CorruptFileError(f"{self.manifest_path} is not a JSON object; {START_OVER}")
-        for key, kind in MANIFEST_FIELDS.items():
-            if manifest.get(key) is not None and not isinstance(manifest[key], kind):
+        for key, kind in MANIFEST_FIELDS.items():  # (a field's parent is checked before it)
+            value = field_at(manifest, key)
+            if value is not None and not isinstance(value, kind):
                 raise CorruptFileError(
-                    f"{self.manifest_path}: {key} is {json.dumps(manifest[key])[:80]}, not a JSON "
-                    f"{'object' if kind is dict else 'string'}; {START_OVER}"
+                    f"{self.manifest_path}: {key} is {_shown(value)}, not a JSON {_JSON_KINDS[kind]}; "
+                    f"{START_OVER}"
                 )
         return manifest
 
@@ -198,8 +262,9 @@ class RunStore:
 
     def read_rounds(self) -> tuple[list[dict[str, Any]], str | None]:
         """The readable records of rounds 1, 2, ..., k in order, and what is wrong after them (None when
-        nothing is). A last line cut short by a crash, a garbled line, or a record out of order ends the
-        readable part; the problem names the file and the line."""
+        nothing is). A last line cut short by a crash, a garbled line, a record out of order, or one with
+        a field of the wrong kind (:func:`record_fault`) ends the readable part; the problem names the
+        file and the line."""
         if not self.rounds_path.exists():
             return [], None
         lines = self.rounds_path.read_bytes().split(b"\n")
@@ -214,6 +279,9 @@ class RunStore:
             if not isinstance(record, dict) or record.get("round") != len(records) + 1:
                 found = record.get("round") if isinstance(record, dict) else record
                 return records, f"{where} holds round {found!r}, expected round {len(records) + 1}"
+            fault = record_fault(record)
+            if fault:
+                return records, f"{where}: {fault}"
             records.append(record)
         if torn:
             return records, f"{self.rounds_path}, line {len(lines) + 1} was cut short (an interrupted write)"

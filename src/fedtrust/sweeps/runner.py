@@ -29,7 +29,7 @@ from fedtrust.sim.evaluation import default_evaluation
 from fedtrust.sim.federation import build_federation
 from fedtrust.sim.loop import Lie, Simulation
 from fedtrust.sim.settings import resolve_device
-from fedtrust.sim.store import RunLocked, RunStore, computed_by, describe, this_code, versions
+from fedtrust.sim.store import RunLocked, RunStore, computed_by, describe, field_at, this_code, versions
 from fedtrust.sim.store import source_hash as source_hash  # (scripts read the code's hash here)
 from fedtrust.sweeps.config import ExperimentConfig, expand, shell_safe
 
@@ -420,7 +420,7 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
         bar.advance(rounds, label)
         return RunOutcome(label, store.dir, "skipped", manifest.get("final"), seconds=manifest.get("seconds"),
                           not_aggregated=manifest.get("not_aggregated", 0))  # fmt: skip
-    swept = {p: _at(run_cfg.model_dump(), p) for key in cfg.sweep for p in key.split("+")}
+    swept = {p: field_at(run_cfg.model_dump(), p) for key in cfg.sweep for p in key.split("+")}
     identity = {
         "experiment": cfg.name,
         "run": label,
@@ -448,10 +448,3 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
     status = "failed" if sim.failure else "finished"
     return RunOutcome(label, store.dir, status, m.get("final"), sim.failure, m.get("seconds"),
                       m.get("not_aggregated", 0))  # fmt: skip
-
-
-def _at(tree: dict, dotted: str) -> Any:
-    node: Any = tree
-    for key in dotted.split("."):
-        node = node.get(key) if isinstance(node, dict) else None
-    return node
