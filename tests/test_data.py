@@ -381,6 +381,39 @@ def test_malformed_files_are_refused_naming_the_file_and_the_value(tmp_path):
     assert [len(g) for g in load_leaf(tmp_path / "two.json", tmp_path / "good.json").groups] == [0, 2]
 
 
+def test_a_csv_that_is_not_utf8_text_or_is_a_folder_is_refused_naming_it(tmp_path):
+    """A Latin-1 CSV raised a bare UnicodeDecodeError naming no file, and a folder an IsADirectoryError."""
+    (tmp_path / "latin.csv").write_bytes("caf\xe9,y\n1,0\n2,1\n".encode("latin-1"))
+    with pytest.raises(
+        ValueError, match=r"latin.csv cannot be read as UTF-8 CSV text \('utf-8' codec can't decode"
+    ):
+        load_csv(tmp_path / "latin.csv", target="y")
+    with pytest.raises(ValueError, match=f"csv: path {tmp_path} is a folder, not a CSV file"):
+        load_csv(tmp_path, target="y")
+
+
+def test_leaf_rows_that_are_single_numbers_are_refused_naming_the_file_user_and_row(tmp_path):
+    """They raised TypeError: object of type 'float' has no len()."""
+    (tmp_path / "good.json").write_text(_leaf({"u": {"x": [[0.1] * 4, [0.2] * 4], "y": [0, 1]}}))
+    (tmp_path / "scalar.json").write_text(_leaf({"u": {"x": [[0.5] * 4, 2.0], "y": [0, 1]}}))
+    with pytest.raises(ValueError, match=r"scalar.json: user 'u', x row 1 is 2.0, not a list of numbers"):
+        load_leaf(tmp_path / "good.json", tmp_path / "scalar.json")
+
+
+def test_leaf_images_given_as_nested_rows_load_with_their_shape(tmp_path):
+    """2x2 images as rows of pixels were refused: input_shape (2,) does not fold 4 features."""
+    rng = np.random.default_rng(0)
+    for name, shape, folded in [("rows", (2, 3), (1, 2, 3)), ("channels", (3, 2, 2), (3, 2, 2))]:
+        images = rng.random((4, *shape)).round(3)
+        (tmp_path / f"{name}.json").write_text(_leaf({"u": {"x": images.tolist(), "y": [0, 1, 0, 1]}}))
+        (tmp_path / f"flat_{name}.json").write_text(
+            _leaf({"u": {"x": images.reshape(4, -1).tolist(), "y": [0, 1, 0, 1]}})
+        )
+        d = load_leaf(tmp_path / f"{name}.json", tmp_path / f"{name}.json")
+        flat = load_leaf(tmp_path / f"flat_{name}.json", tmp_path / f"flat_{name}.json")
+        assert d.input_shape == folded and torch.equal(d.x_train, flat.x_train)
+
+
 def test_idx_images_stored_as_floats_are_not_rescaled(tmp_path):
     images = np.linspace(0, 1, 6 * 16, dtype=">f4").reshape(6, 4, 4)
     for stem, array, code in [("train-images-idx3-ubyte", images, 0x0D), ("t10k-images-idx3-ubyte", images, 0x0D),

@@ -449,8 +449,13 @@ def load_csv(
     if not path.exists():
         raise DatasetNotFound(f"CSV file {path} does not exist (looked at {path.resolve()}; a relative "
                               "path is read from the working directory)")  # fmt: skip
-    with open(path, newline="") as fh:
-        rows = list(csv.reader(fh))
+    if path.is_dir():
+        raise ValueError(f"csv: path {path} is a folder, not a CSV file")
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            rows = list(csv.reader(fh))
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise ValueError(f"{path} cannot be read as UTF-8 CSV text ({exc})") from None
     if not rows:
         raise ValueError(f"{path} is empty")
     header, body = rows[0], [r for r in rows[1:] if r]
@@ -510,6 +515,10 @@ def _read_leaf(paths: list[Path]) -> dict[str, dict]:
                 raise ValueError(f"{p}: user {u!r} has no x and y lists in user_data")
             if len(data["x"]) != len(data["y"]):
                 raise ValueError(f"{p}: user {u!r} has {len(data['x'])} x rows and {len(data['y'])} y labels")
+            for i, row in enumerate(data["x"]):
+                if not isinstance(row, list | str):
+                    raise ValueError(f"{p}: user {u!r}, x row {i} is {json.dumps(row)[:80]}, not a list of "
+                                     "numbers (an image, flat or nested) or a text")  # fmt: skip
             entry = users.setdefault(u, {"x": [], "y": []})
             entry["x"].extend(data["x"])
             entry["y"].extend(data["y"])
@@ -530,8 +539,9 @@ def load_leaf(train: str | Path, test: str | Path, name: str | None = None) -> D
 
     ``train`` / ``test`` are a .json file or a directory of them. The natural partition (one group per
     user, in the order users appear in the training files) is kept in ``groups``. Image rows (lists of
-    floats, e.g. FEMNIST's 784 pixels) become float features; strings (Shakespeare's 80-character
-    windows) become LEAF_LETTERS indices, with the next character as the label.
+    floats, e.g. FEMNIST's 784 pixels, or nested lists: rows of pixels, channels of rows) become float
+    features; strings (Shakespeare's 80-character windows) become LEAF_LETTERS indices, with the next
+    character as the label.
     """
     tr_users, te_users = _read_leaf(_leaf_paths(Path(train))), _read_leaf(_leaf_paths(Path(test)))
     for where, users in ((train, tr_users), (test, te_users)):
@@ -546,8 +556,6 @@ def load_leaf(train: str | Path, test: str | Path, name: str | None = None) -> D
             raise ValueError(f"text {s!r}: {s[codes.index(-1)]!r} is not in LEAF's alphabet (LEAF_LETTERS)")
         return codes
 
-    width = len(sample) if text else torch.tensor(sample).numel()
-
     def encode_x(rows):
         if text:
             return torch.tensor([letters(s) for s in rows], dtype=torch.float32).reshape(len(rows), width)
@@ -560,6 +568,8 @@ def load_leaf(train: str | Path, test: str | Path, name: str | None = None) -> D
 
     xs, ys, groups, start = [], [], [], 0
     try:
+        dims = (len(sample),) if text else tuple(torch.tensor(sample).shape)  # a nested image: its rows
+        width = math.prod(dims)
         for data in tr_users.values():
             xs.append(encode_x(data["x"]))
             ys.append(encode_y(data["y"]))
@@ -570,10 +580,12 @@ def load_leaf(train: str | Path, test: str | Path, name: str | None = None) -> D
     except (TypeError, ValueError, RuntimeError) as exc:  # ragged rows, text in an image set, ...
         raise ValueError(f"LEAF data in {train} / {test}: {exc}") from None
     y_tr = torch.cat(ys)
-    if text:
-        classes, shape = len(LEAF_LETTERS), (len(sample),)
-    else:
+    classes, shape = len(LEAF_LETTERS), dims
+    if not text:
         classes = int(max(int(y_tr.max()), int(y_te.max())) + 1)
-        side = int(round(len(sample) ** 0.5))
-        shape = (1, side, side) if side * side == len(sample) else (len(sample),)
+        side = math.isqrt(width)
+        if len(dims) == 1 and side * side == width:  # flat pixels of a square image (FEMNIST's 784)
+            shape = (1, side, side)
+        elif len(dims) == 2:  # rows of pixels: one channel
+            shape = (1, *dims)
     return Dataset(name or Path(train).stem, torch.cat(xs), y_tr, x_te, y_te, classes, shape, tuple(groups))
