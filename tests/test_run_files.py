@@ -477,6 +477,23 @@ def test_an_unreadable_manifest_fails_that_run_only(tmp_path):
     assert [o.status for o in outcomes] == ["finished", "skipped"]
 
 
+def test_a_finished_run_whose_manifest_holds_a_wrong_kind_is_named_not_skipped(tmp_path):
+    """A finished run whose manifest said final.accuracy "high" was skipped, and `fedtrust run`'s summary
+    raised ValueError formatting it: now the run fails naming the field and the remedy."""
+    cfg = config(train__rounds=1)
+    run_experiment(cfg, tmp_path, progress=False)
+    store = RunStore(tmp_path / "t" / "run")
+    manifest = store.manifest()
+    store.write_manifest({**manifest, "final": {**manifest["final"], "accuracy": "high"}})
+    (outcome,) = run_experiment(cfg, tmp_path, progress=False)
+    assert (
+        outcome.status == "failed"
+        and f'{store.manifest_path}: final.accuracy is "high", not a JSON number' in outcome.error
+    )
+    assert "--force" in outcome.error
+    assert run_experiment(cfg, tmp_path, progress=False, force=True)[0].status == "finished"
+
+
 # ---------------------------------------------------------------- a failed run says so
 
 
@@ -700,7 +717,8 @@ def test_the_report_leaves_out_an_unreadable_run_and_names_its_file(tmp_path):
 @pytest.mark.parametrize(
     ("field", "value"),
     [("config", 5), ("swept", []), ("status", 1), ("versions", "x"), ("config.rule", "median"),
-     ("config.rule.name", 3), ("config.train", []), ("seed", "one"), ("index", "first")],
+     ("config.rule.name", 3), ("config.train", []), ("seed", "one"), ("index", "first"),
+     ("final.accuracy", "high"), ("seconds", "long")],
 )  # fmt: skip
 def test_a_manifest_field_of_the_wrong_shape_is_named_not_met_deep_in_a_report(tmp_path, field, value):
     """A hand-edited or damaged manifest whose config is 5, or whose config.rule is "median", made the

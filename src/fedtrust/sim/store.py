@@ -94,8 +94,9 @@ class RunLocked(RuntimeError):
 #: hand-edited file with another shape is refused by name, not met as an AttributeError deep in a report).
 MANIFEST_FIELDS = {"config": dict, "config.rule": dict, "config.rule.name": str, "config.train": dict,
                    "swept": dict, "versions": dict, "status": str, "experiment": str, "seed": int,
-                   "index": int}  # fmt: skip
-_JSON_KINDS = {dict: "object", str: "string", int: "integer"}
+                   "index": int, "final": dict, "final.accuracy": (int, float), "final.rmse": (int, float),
+                   "seconds": (int, float), "not_aggregated": int, "recovered": list}  # fmt: skip
+_JSON_KINDS = {dict: "object", str: "string", int: "integer", (int, float): "number", list: "array"}
 
 
 def field_at(tree: Any, dotted: str) -> Any:
