@@ -768,6 +768,23 @@ def test_a_report_names_a_run_file_with_a_wrong_type_and_goes_on(tmp_path, field
     assert f"line 2: {problem}" in text and "(1/2 unfinished)" in text
 
 
+def test_a_metric_reported_as_a_list_is_named_not_averaged(tmp_path):
+    """Flower's MetricRecord allows a list of numbers (per-class accuracies) and the run records keep it;
+    the report's table of other metrics took its mean and raised TypeError ('must be real number, not
+    list'). Such a metric is named beneath the tables; the numbers are tabulated as before."""
+    from fedtrust.report import write_report
+
+    run_experiment(config(train__rounds=2, sweep={"seed": [0, 1]}), tmp_path, progress=False)
+    rounds = tmp_path / "t" / "seed=1" / "rounds.jsonl"
+    first, second = rounds.read_text().splitlines()
+    last = json.loads(second)
+    last["metrics"]["per_class"] = [0.5, 0.7]
+    rounds.write_text(f"{first}\n{json.dumps(last)}\n")
+    text = write_report(tmp_path / "t").read_text()
+    assert "Metrics reported as lists, not tabulated: per_class." in text
+    assert "### Final test loss" in text
+
+
 def test_manifest_records_identity_and_time(tmp_path):
     outcome = run_experiment(config(train__rounds=1), tmp_path, progress=False)[0]
     manifest = json.loads((outcome.directory / "manifest.json").read_text())

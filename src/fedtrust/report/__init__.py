@@ -45,17 +45,24 @@ def _final_table(runs: list[Run], metric: str) -> list[str]:
 
 
 def _other_metrics(runs: list[Run], mains: list[str]) -> list[str]:
-    """A table for every other final metric the runs report (loss, NLL, CRPS, coverage, ...)."""
+    """A table for every other final metric the runs report as a number (loss, NLL, CRPS, coverage, ...);
+    a metric given as a list (Flower's MetricRecord allows one: per-class accuracies) has no mean over
+    seeds to show, and is named beneath the tables instead of failing the report."""
     finished = [r for r in runs if r.status == "finished"]
     keys = list(dict.fromkeys(k for r in finished for k in r.final_metrics() if k not in mains))
-    lines = []
+    lines, lists = [], []
     for key in keys:
-        lines += [
-            f"### Final test {key}",
-            "",
-            *_markdown_table(*table(runs, lambda r, key=key: r.final_metrics().get(key)), "rule"),
-            "",
-        ]
+
+        def number(r: Run, key: str = key) -> float | None:
+            value = r.final_metrics().get(key)
+            return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+        if not any(number(r) is not None for r in finished):
+            lists.append(key)
+            continue
+        lines += [f"### Final test {key}", "", *_markdown_table(*table(runs, number), "rule"), ""]
+    if lists:
+        lines += [f"Metrics reported as lists, not tabulated: {', '.join(lists)}.", ""]
     return lines
 
 
