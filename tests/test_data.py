@@ -392,6 +392,18 @@ def test_a_csv_that_is_not_utf8_text_or_is_a_folder_is_refused_naming_it(tmp_pat
         load_csv(tmp_path, target="y")
 
 
+def test_a_csv_saved_with_a_byte_order_mark_reads_its_first_column_by_name(tmp_path):
+    """Excel's "CSV UTF-8" starts with a BOM, which stuck to the first header ('\\ufeffy'): the target named
+    y was not found. The estimates file of ``fedtrust infer`` reads its sources' names the same way."""
+    from fedtrust.inference.csvio import read_estimates
+
+    (tmp_path / "bom.csv").write_bytes("y,a\n0,1\n1,2\n0,3\n1,4\n".encode("utf-8-sig"))
+    data = load_csv(tmp_path / "bom.csv", target="y")
+    assert data.x_train.shape[1] == 1  # a, the one feature beside the target
+    (tmp_path / "est.csv").write_bytes("s1,s2\n0.1,0.2\n0.3,0.4\n".encode("utf-8-sig"))
+    assert read_estimates(tmp_path / "est.csv")[1] == ["s1", "s2"]
+
+
 def test_leaf_rows_that_are_single_numbers_are_refused_naming_the_file_user_and_row(tmp_path):
     """They raised TypeError: object of type 'float' has no len()."""
     (tmp_path / "good.json").write_text(_leaf({"u": {"x": [[0.1] * 4, [0.2] * 4], "y": [0, 1]}}))

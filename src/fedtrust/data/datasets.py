@@ -452,7 +452,7 @@ def load_csv(
     if path.is_dir():
         raise ValueError(f"csv: path {path} is a folder, not a CSV file")
     try:
-        with open(path, newline="", encoding="utf-8") as fh:
+        with open(path, newline="", encoding="utf-8-sig") as fh:  # a BOM (Excel) is not a name
             rows = list(csv.reader(fh))
     except (UnicodeDecodeError, csv.Error) as exc:
         raise ValueError(f"{path} cannot be read as UTF-8 CSV text ({exc})") from None

@@ -27,7 +27,7 @@ def read_estimates(path: str | Path) -> tuple[list[str], list[str], torch.Tensor
     if path.is_dir():
         raise ValueError(f"estimates file {path} is a folder; give the CSV file")
     try:
-        with open(path, newline="", encoding="utf-8") as fh:
+        with open(path, newline="", encoding="utf-8-sig") as fh:  # a BOM (Excel) is not a name
             reader = csv.reader(fh)
             numbered = [(reader.line_num, row) for row in reader if any(cell.strip() for cell in row)]
     except UnicodeDecodeError as exc:
