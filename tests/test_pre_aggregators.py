@@ -270,6 +270,9 @@ def test_a_refused_round_names_the_composed_rule():
         (lambda: rule("median", pre=[{"name": "nnm", "f": -1}]), ValueError, r"nnm: f must be >= 0"),
         (lambda: rule("median", pre=[{"name": "arc", "f": 0.5}]), ValueError, r"arc: f \(as a fraction"),
         (lambda: rule("nnm+arfl"), ValueError, r"nnm\+arfl: rule 'arfl' reads the clients' metrics"),
+        # the order turned round ("unknown rule 'nnm'" before), or a pre-aggregator alone
+        (lambda: rule("median+nnm"), ValueError, r"'nnm' is a pre-aggregator, .* the rule last \(e.g. 'nnm\+median'\)"),
+        (lambda: rule("nnm"), ValueError, r"rule 'nnm': 'nnm' is a pre-aggregator"),
     ],
 )  # fmt: skip
 def test_bad_compositions_are_refused_naming_the_part(build, error, message):

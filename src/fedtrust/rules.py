@@ -125,12 +125,19 @@ def rule(name: str, **options: Any) -> BaseRule:
     pre-aggregators in front, ``rule("nnm+krum", f=2)`` or ``rule("krum", f=2, pre=["nnm"])`` (the module
     docstring)."""
     pre = options.pop("pre", None)
+    given = name
     if isinstance(name, str) and "+" in name:
         if pre is not None:
             raise ValueError(
                 f"rule {name!r}: give the pre-aggregators in the name or in pre=, not both (pre={pre!r})"
             )
         *pre, name = name.split("+")
+    if isinstance(name, str) and name in PRE_AGGREGATORS and name not in RULES:
+        order = "+".join([name, *(pre or ["median"])])
+        raise ValueError(
+            f"rule {given!r}: {name!r} is a pre-aggregator, which goes in front of a rule, the rule last "
+            f"(e.g. {order!r}); pre-aggregators: {', '.join(PRE_AGGREGATORS)}"
+        )
     if pre is None:
         return build("rule", RULES, name, options)
     specs = _pre_specs(pre)
