@@ -288,3 +288,26 @@ def test_a_folder_or_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
     path.write_bytes(b"name: t\xff\n")
     with pytest.raises(ConfigError, match=r"c.yaml: not UTF-8 text \(byte 7 is 0xff\)"):
         load(path)
+
+
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        (
+            {"model": {"name": "mlp", "hidden": -5}},
+            r"seed=0: model: model mlp: hidden\[0\] must be >= 1, got -5",
+        ),
+        ({"corruption": {"name": "dba", "parts": 100, "fraction": 0.5}}, r"seed=0: corruption: .*parts 100"),
+    ],
+)
+def test_option_values_only_the_data_can_check_are_refused_before_any_run(tmp_path, block, message):
+    """The config check knows a model's and a data corruption's option names but not whether -5 hidden
+    units or a 100-part trigger in 8x8 images fit: swept over three seeds, the run failed three times, one
+    run after another. Now the sweep is refused once, naming the run and the field, and nothing is written."""
+    from fedtrust.sweeps.runner import run_experiment
+
+    cfg = validate({"name": "bad", "data": {"name": "digits", "clients": 4}, "train": {"rounds": 1},
+                    "sweep": {"seed": [0, 1, 2]}, **block})  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        run_experiment(cfg, tmp_path, progress=False)
+    assert not (tmp_path / "bad").exists()

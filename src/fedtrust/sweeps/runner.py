@@ -31,7 +31,7 @@ from fedtrust.sim.loop import Lie, Simulation
 from fedtrust.sim.settings import resolve_device
 from fedtrust.sim.store import RunLocked, RunStore, computed_by, describe, field_at, this_code, versions
 from fedtrust.sim.store import source_hash as source_hash  # (scripts read the code's hash here)
-from fedtrust.sweeps.config import ExperimentConfig, expand, shell_safe
+from fedtrust.sweeps.config import ConfigError, ExperimentConfig, expand, shell_safe
 
 
 @dataclass
@@ -82,6 +82,33 @@ class _DatasetCache:
             tensors.update({f"group{i}": g for i, g in enumerate(d.groups or ())})
             self._digests[key] = digest(tensors)[:16]
         return self._digests[key]
+
+
+def check_with_data(runs: list[tuple[str, ExperimentConfig]], datasets: _DatasetCache) -> None:
+    """The option values that only a dataset can check (a model's sizes, a data corruption's trigger in the
+    images), once per distinct (data, model, corruption) of the sweep, before any run starts: the config
+    check knows their names, not whether -5 hidden units or a 100-part trigger fit. A ConfigError names
+    the first run and the field. Data that cannot be read here is left to the runs, which fail saying
+    why."""
+    seen = set()
+    for label, c in runs:
+        parts = (c.data, c.model, c.corruption)
+        key = repr([(b.name, sorted(b.options.items())) for b in parts])
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            dataset = datasets.get(c.data.name, c.data.options)
+        except Exception:  # noqa: BLE001 - the run reports what is wrong with its data
+            continue
+        field = "model"
+        try:
+            build_model(c.model.name, dataset, **c.model.options)
+            if c.corruption.name in DATA_CORRUPTIONS:
+                field = "corruption"
+                data_corruption(c.corruption.name, dataset.input_shape, **c.corruption.options)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"{label}: {field}: {exc} (nothing was run)") from None
 
 
 def build_simulation(
@@ -283,6 +310,7 @@ def run_experiment(
     root = Path(out) / cfg.name
     if root.exists() and not root.is_dir():
         raise NotADirectoryError(f"{root} is a file; --out must be a folder")
+    check_with_data(runs, datasets := _DatasetCache())
     _adopt_legacy_folders(root, [label for label, _ in runs])
     redo, broken = _preflight(runs, root, force)
     bar = Progress(enabled=progress, total=sum(c.train.rounds_run for _, c in runs))
@@ -299,8 +327,7 @@ def run_experiment(
         bar,
     ):  # the pool first: --ray fails fast
         bar.advance(sum(runs[i][1].train.rounds_run for i in outcomes), "")
-        if not parallel:
-            datasets = _DatasetCache()
+        if not parallel:  # the datasets the check above loaded serve the runs
             for task in todo:
                 index, outcome = _run_locked(*task, datasets, bar)
                 outcomes[index] = outcome
