@@ -171,9 +171,10 @@ def test_a_reply_whose_finite_values_overflow_the_models_dtype_is_quarantined_sa
     }
 
 
-def test_a_count_too_large_for_the_rounds_is_left_out_of_arfls_initial_report_too():
+def test_a_count_too_large_for_the_rounds_is_left_out_of_arfls_initial_report_too(caplog):
     """A node claiming 1e300 examples: beyond float32, so every round quarantines it; recorded from the
-    initial report it would outweigh every honest node in every round after."""
+    initial report it would outweigh every honest node in every round after. The log names the count it
+    sent (it said num_samples=inf, the count read into float32)."""
 
     class Boaster:
         def __call__(self, msg, context):
@@ -184,7 +185,12 @@ def test_a_count_too_large_for_the_rounds_is_left_out_of_arfls_initial_report_to
             return Message(content=content, reply_to=msg)
 
     strategy = TrustStrategy(rule="arfl", fraction_evaluate=0.0, min_available_nodes=5)
-    result = run(strategy, federation(extra={200: (Boaster(), {})}), rounds=2)
+    with caplog.at_level("WARNING"):
+        result = run(strategy, federation(extra={200: (Boaster(), {})}), rounds=2)
+    assert (
+        "initial report: left out node 200: num-examples=1e+300 overflows float32 (max 3.4e+38)"
+        in caplog.text
+    )
     assert 200 not in strategy.rule.state_dict()["samples"]
     assert all(r["error"] is None for r in strategy.history) and accuracy(result.arrays) > 0.7
 

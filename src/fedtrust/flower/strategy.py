@@ -339,17 +339,33 @@ class TrustStrategy(FedAvg):
         self.names.update({r.node: r.name for r in accepted})
         for name, reason in dropped.items():
             log(WARNING, "initial report: dropped node %s: %s", name, reason)
+        # in the rounds' dtype, so a report the rounds would quarantine (a count or a loss beyond it) is
+        # left out here too, rather than recorded once and weighed every round after; named with the value
+        # the node sent (read into the dtype, 1e300 would be logged as inf)
+        dtype = self.layout.dtype if self.layout is not None else torch.float32
+        limit, kind = torch.finfo(dtype).max, str(dtype).removeprefix("torch.")
+        left_out = {}
+        for r in accepted:
+            for key in (self.weighted_by_key, self.train_loss_key):
+                if math.isfinite(value := r.number(key)) and abs(value) > limit:
+                    left_out.setdefault(self._key(r), f"{key}={value!r} overflows {kind} (max {limit:.3g})")
+        accepted = [r for r in accepted if self._key(r) not in left_out]
         if accepted:
-            # in the rounds' dtype, so a report the rounds would quarantine (a count or a loss beyond it) is
-            # left out here too, rather than recorded once and weighed every round after
-            dtype = self.layout.dtype if self.layout is not None else torch.float32
-            left_out = self.rule.observe(
-                [self._key(r) for r in accepted],
-                torch.tensor([r.number(self.weighted_by_key) for r in accepted], dtype=dtype),
-                {"train_loss": torch.tensor([r.number(self.train_loss_key) for r in accepted], dtype=dtype)},
+            left_out |= (
+                self.rule.observe(
+                    [self._key(r) for r in accepted],
+                    torch.tensor([r.number(self.weighted_by_key) for r in accepted], dtype=dtype),
+                    {
+                        "train_loss": torch.tensor(
+                            [r.number(self.train_loss_key) for r in accepted], dtype=dtype
+                        )
+                    },
+                )
+                or {}
             )
-            for key, reason in (left_out or {}).items():
-                log(WARNING, "initial report: left out node %s: %s", key, reason)
+        for key, reason in left_out.items():
+            log(WARNING, "initial report: left out node %s: %s", key, reason)
+        if accepted:
             log(INFO, "initial report: %s from %d nodes", self.train_loss_key, len(accepted))
         self._observed = True
 
