@@ -23,6 +23,7 @@ import torch
 from flwr.app import Message, MetricRecord, RecordDict
 
 from fedtrust.flower.arrays import ArrayLayout, MalformedReply
+from fedtrust.sim.store import is_number
 
 #: The reply's ConfigRecord in which a node gives its name, and the longest name taken.
 NODE_RECORD, NAME_LIMIT = "fedtrust-node", 64
@@ -177,8 +178,8 @@ def numbers_in_all(replies: Sequence[Reply], but: str) -> list[str]:
 
 def _form(value: Any) -> str | int | None:
     """``"number"``, a list's length, or None for anything Flower's aggregation cannot average."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    if is_number(value):
         return "number"
-    if isinstance(value, list) and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value):
+    if isinstance(value, list) and all(map(is_number, value)):
         return len(value)
     return None

@@ -25,6 +25,7 @@ from fedtrust.models import FlatModel
 from fedtrust.rules import rule as build_rule
 from fedtrust.server import server_step
 from fedtrust.sim.detection import detection_auroc
+from fedtrust.sim.store import is_number
 
 #: The ArrayRecord with FedAG's posterior variance, sent beside the model.
 POSTERIOR_VAR = "posterior-var"
@@ -342,7 +343,7 @@ class TrustStrategy(FedAvg):
         # in the rounds' dtype, so a report the rounds would quarantine (a count or a loss beyond it) is
         # left out here too, rather than recorded once and weighed every round after; named with the value
         # the node sent (read into the dtype, 1e300 would be logged as inf)
-        dtype = self.layout.dtype if self.layout is not None else torch.float32
+        dtype = self._round_dtype
         limit, kind = torch.finfo(dtype).max, str(dtype).removeprefix("torch.")
         left_out = {}
         for r in accepted:
@@ -434,6 +435,12 @@ class TrustStrategy(FedAvg):
         record["train_metrics"] = out
         return self.layout.unflatten(step.vector), MetricRecord(out)
 
+    @property
+    def _round_dtype(self) -> torch.dtype:
+        """The dtype the rounds' updates and counts are read into (the model's; float32 before it is
+        known): a count or a loss beyond it is quarantined."""
+        return self.layout.dtype if self.layout is not None else torch.float32
+
     def _overflowed(self, reply: Reply | None) -> str | None:
         """Why a quarantined reply's update held infinities its arrays did not (finite values beyond the
         model's dtype, which overflowed when read): the rule's reason ("non-finite entries") would blame
@@ -454,11 +461,12 @@ class TrustStrategy(FedAvg):
     def _aggregate_metrics(self, accepted: list[Reply], aggregate: MetricsAggregation, where: str) -> dict:
         """The replies' MetricRecords through Flower's aggregation function (``FedAvg``'s by default), on
         the keys every reply has in one form; a reply holding a non-finite number is left out (one NaN loss
-        would make the round's NaN), and so is one whose count is beyond float32's range, as training
+        would make the round's NaN), and so is one whose count is beyond the rounds' dtype, as training
         quarantines it (two nodes claiming 1e308 examples made the total inf, and every weighted metric
         inf / inf, which Flower's FedAvg reported as 0.0); nothing when the counts sum to zero (nothing to
         weight by)."""
-        limit = float(torch.finfo(torch.float32).max)
+        dtype = self._round_dtype
+        limit, kind = float(torch.finfo(dtype).max), str(dtype).removeprefix("torch.")
         finite = [r for r in accepted if _finite_metrics(r.metrics)]
         if len(finite) < len(accepted):
             left = [r.name for r in accepted if r not in finite]
@@ -466,8 +474,8 @@ class TrustStrategy(FedAvg):
         usable = [r for r in finite if r.number(self.weighted_by_key) <= limit]
         if len(usable) < len(finite):
             left = [r.name for r in finite if r not in usable]
-            log(WARNING, "%s: replies with %s beyond float32's range (%.3g) left out of the metrics: %s",
-                where, self.weighted_by_key, limit, left)  # fmt: skip
+            log(WARNING, "%s: replies with %s beyond %s's range (%.3g) left out of the metrics: %s",
+                where, self.weighted_by_key, kind, limit, left)  # fmt: skip
         accepted = usable
         if not accepted or sum(r.number(self.weighted_by_key) for r in accepted) <= 0:
             log(WARNING, "%s: every reply has %s = 0; no metrics to aggregate", where, self.weighted_by_key)
@@ -536,7 +544,7 @@ class ServerReference:
 
 
 def _finite_metrics(metrics: dict[str, Any]) -> bool:
-    values = [v for v in metrics.values() if isinstance(v, int | float) and not isinstance(v, bool)]
+    values = [v for v in metrics.values() if is_number(v)]
     values += [x for v in metrics.values() if isinstance(v, list) for x in v if isinstance(x, int | float)]
     return all(math.isfinite(v) for v in values)
 

@@ -9,7 +9,7 @@ from fedtrust.aggregators.sybils import CORRELATION
 from fedtrust.report.figures import calibration, metric_curves, sweep_curves, trust_heatmaps
 from fedtrust.report.results import Cell, Run, is_replicate, load_runs, missing, table
 from fedtrust.report.style import slug
-from fedtrust.sim.store import describe, this_code
+from fedtrust.sim.store import describe, is_number, this_code
 
 __all__ = ["Run", "load_runs", "missing", "other_code", "write_report"]
 
@@ -55,7 +55,7 @@ def _other_metrics(runs: list[Run], mains: list[str]) -> list[str]:
 
         def number(r: Run, key: str = key) -> float | None:
             value = r.final_metrics().get(key)
-            return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+            return value if is_number(value) else None
 
         if not any(number(r) is not None for r in finished):
             lists.append(key)
@@ -72,9 +72,7 @@ def _numeric_sweeps(runs: list[Run]) -> list[str]:
     keys: dict[str, set] = {}
     for r in runs:
         for path, value in r.manifest.get("swept", {}).items():
-            keys.setdefault(path, set()).add(
-                value if isinstance(value, int | float) and not isinstance(value, bool) else None
-            )
+            keys.setdefault(path, set()).add(value if is_number(value) else None)
     return [
         k
         for k, values in keys.items()

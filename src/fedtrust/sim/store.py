@@ -107,7 +107,8 @@ def field_at(tree: Any, dotted: str) -> Any:
     return node
 
 
-def _number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A JSON number: an int or a float, not a bool."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -124,9 +125,9 @@ def _kind(kind: type) -> Callable[[Any], bool]:
 ROUND_FIELDS = {
     "clients": ("a list of names", _list_of(_kind(str)), False),
     "corrupted": ("a list of true/false", _list_of(_kind(bool)), False),
-    "weights": ("a list of numbers", _list_of(_number), False),
+    "weights": ("a list of numbers", _list_of(is_number), False),
     "metrics": ("a JSON object", _kind(dict), True),
-    "auroc": ("a number", _number, True),
+    "auroc": ("a number", is_number, True),
     "error": ("a string", _kind(str), True),
     "info": ("a JSON object", _kind(dict), True),
     "quarantined": ("a JSON object", _kind(dict), True),
@@ -151,7 +152,7 @@ def record_fault(record: dict[str, Any]) -> str | None:
         if len(record[key]) != len(record["clients"]):
             return f"{key} has {len(record[key])} entries for {len(record['clients'])} clients"
     for name, value in (record.get("metrics") or {}).items():
-        if not (value is None or _number(value) or _list_of(_number)(value)):
+        if not (value is None or is_number(value) or _list_of(is_number)(value)):
             return f"metrics.{name} is {_shown(value)}, not a number"
     groups = (record.get("info") or {}).get("groups")
     if not (groups is None or _GROUPS(groups)):
