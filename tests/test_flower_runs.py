@@ -14,6 +14,7 @@ from flwr.app import Error, Message  # noqa: E402
 
 from fedtrust.checkpoint import CorruptFileError  # noqa: E402
 from fedtrust.flower import TrustStrategy, trust_client_app  # noqa: E402
+from fedtrust.flower.replies import NO_REPLY  # noqa: E402
 from fedtrust.report import load_runs, write_report  # noqa: E402
 
 QUIET = {"fraction_evaluate": 0.0, "min_available_nodes": 4}
@@ -98,6 +99,45 @@ def test_a_node_the_superlink_cannot_reach_is_named_in_the_drops():
     record = strategy.history[-1]
     assert record["dropped"] == {"103": "the client reported an error: Error: Node Unavailable"}
     assert len(record["clients"]) == 3
+
+
+def test_a_node_that_never_replies_is_named_in_the_drops():
+    """A node messaged that sends nothing back before the round's timeout (hung: no reply of any kind,
+    not even the SuperLink's) is dropped under its name, counted in the round's ``dropped``, and the
+    round goes on (it was missing from the record before, as if never messaged). Beside a node the
+    SuperLink answers for, which of the two stood for which nothing says: both go under both names."""
+
+    class Hung(InProcessGrid):
+        def __init__(self, nodes, hung, unreachable=()):
+            super().__init__(nodes)
+            self.hung, self.unreachable = hung, unreachable
+
+        def send_and_receive(self, messages, timeout=None):
+            def cut(m):
+                return m.content["config"].get("server-round") == 2 and m.metadata.dst_node_id in (
+                    self.hung + self.unreachable
+                )
+
+            replies = list(super().send_and_receive([m for m in messages if not cut(m)], timeout))
+            for m in messages:
+                if cut(m) and m.metadata.dst_node_id in self.unreachable:
+                    error = Message(Error(code=0, reason="Error: Node Unavailable"), reply_to=m)
+                    error.metadata.__dict__["_src_node_id"] = 1  # the SuperLink's id, as it sends it
+                    replies.append(error)
+            return replies
+
+    strategy = TrustStrategy(rule="median", **QUIET)
+    result = run(strategy, Hung(federation().nodes, hung=(103,)), rounds=2)
+    record = strategy.history[-1]
+    assert record["dropped"] == {"partition-3": NO_REPLY} and len(record["clients"]) == 3
+    assert result.train_metrics_clientapp[2]["dropped"] == 1
+    strategy = TrustStrategy(rule="median", **QUIET)
+    run(strategy, Hung(federation().nodes, hung=(103,), unreachable=(102,)), rounds=2)
+    dropped = strategy.history[-1]["dropped"]  # named in the order the nodes were sampled
+    assert sorted(dropped.values()) == sorted(
+        ["the client reported an error: Error: Node Unavailable", NO_REPLY]
+    )
+    assert all(k.startswith("one of ") and "partition-2" in k and "partition-3" in k for k in dropped)
 
 
 def test_the_report_names_the_nodes_each_round_left_out_and_why(tmp_path):

@@ -27,6 +27,8 @@ from fedtrust.sim.store import is_number
 
 #: The reply's ConfigRecord in which a node gives its name, and the longest name taken.
 NODE_RECORD, NAME_LIMIT = "fedtrust-node", 64
+#: Why a node messaged in a round and never heard from is left out of it.
+NO_REPLY = "no reply before the round's timeout (the node may be hung, too slow, or gone without an error)"
 
 
 @dataclass
@@ -100,7 +102,9 @@ def screen(
 
     ``sent``: the nodes messaged this round. A reply from none of them is the SuperLink's on behalf of a
     node it could not reach ("Node Unavailable", sent from the SuperLink's own id): it goes under the
-    node messaged that did not answer, or, with several such, under all their names."""
+    node messaged that did not answer, or, with several such, under all their names. A node messaged
+    that sent nothing back at all (no reply before the round's ``timeout``: hung, or too slow) is left out
+    under its name too, with that reason."""
     replies = list(replies)
     answered = {msg.metadata.src_node_id for msg in replies}
     silent = [node for node in sent if node not in answered]
@@ -108,6 +112,7 @@ def screen(
     dropped: dict[str, str] = {}
     taken: dict[str, int] = {}
     nodes: set[int] = set()
+    stand_ins = 0  # replies the SuperLink sent for silent nodes
     for msg in replies:
         try:
             reply = read_reply(msg, weighted_by_key, required, layout)
@@ -122,22 +127,30 @@ def screen(
             name = reply_name(msg)
             name = (known or {}).get(node, name) if name == str(node) else name
             if sent and node not in sent and silent:  # the SuperLink's reply for a node it could not reach
-                names = [(known or {}).get(k, str(k)) for k in silent]
-                if len(silent) == 1:
-                    node, name = silent[0], names[0]
-                else:  # which of them it stands for, the reply does not say
-                    name = f"one of {', '.join(names)}"
-                    name = (
-                        name
-                        if name not in dropped
-                        else f"{name} ({sum(k.startswith(name) for k in dropped) + 1})"
-                    )
+                stand_ins += 1
+                node, name = _silent_one(silent, known, dropped)
             dropped[_label(name, node, dropped)] = str(exc)
             continue
         taken[reply.name] = reply.node
         nodes.add(reply.node)
         accepted.append(reply)
+    # the nodes that sent nothing: each by name, unless the SuperLink answered for some of them
+    for k in range(len(silent) - stand_ins):
+        node, name = _silent_one(silent if stand_ins else [silent[k]], known, dropped)
+        dropped[_label(name, node, dropped)] = NO_REPLY
     return accepted, dropped
+
+
+def _silent_one(silent: list[int], known: dict[int, str] | None, dropped: dict[str, str]) -> tuple[int, str]:
+    """The node and name a drop for one of the ``silent`` nodes goes under: the node's own when it is the
+    only one, else "one of <their names>" (numbered when that is taken already)."""
+    names = [(known or {}).get(k, str(k)) for k in silent]
+    if len(silent) == 1:
+        return silent[0], names[0]
+    name = f"one of {', '.join(names)}"  # which of them, nothing says
+    return silent[0], (
+        name if name not in dropped else f"{name} ({sum(k.startswith(name) for k in dropped) + 1})"
+    )
 
 
 def display_names(replies: Sequence[Reply]) -> list[str]:
