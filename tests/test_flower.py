@@ -215,6 +215,31 @@ def test_fltrust_trains_the_servers_own_update_on_its_root_data():
     assert strategy.trust()["partition-2"] == 0.0 and accuracy(result.arrays) > 0.8
 
 
+def test_a_server_side_model_of_another_architecture_than_the_global_arrays_is_refused_by_name():
+    """FOCUS's ``model=`` or FLTrust's ``server_training`` model not being the model of ``initial_arrays``
+    is refused naming it and the first array that differs (it failed inside torch, "split_with_sizes
+    expects split_sizes to sum exactly to 650", in round 1 after every node had trained)."""
+    from fedtrust.flower import server_training
+
+    other = torch.nn.Sequential(torch.nn.Linear(64, 5), torch.nn.ReLU(), torch.nn.Linear(5, 10))
+    root = (DIGITS.x_test[:100], DIGITS.y_test[:100])
+    grid = federation()
+    send = grid.send_and_receive
+    sent = []
+    grid.send_and_receive = lambda messages, timeout=None: send(sent.extend(messages) or messages, timeout)
+    strategy = TrustStrategy(rule="focus", model=other, benchmark=root, min_available_nodes=4)
+    with pytest.raises(ValueError, match=r"model= is not the model of the global arrays \(385 values, the "
+                       r"arrays 650\): the arrays hold \('weight', \(10, 64\)\), the model \('0.weight', "
+                       r"\(5, 64\)\)"):  # fmt: skip
+        run(strategy, grid, rounds=1)
+    assert not sent  # before any node trains
+    strategy = TrustStrategy(
+        rule="fltrust", server_update=server_training(other, root), min_available_nodes=4
+    )
+    with pytest.raises(ValueError, match=r"server_training's model is not the model of the global arrays"):
+        run(strategy, grid, rounds=1)
+
+
 def test_client_evaluations_with_a_non_finite_metric_are_left_out_of_the_average():
     broken = {300: (BrokenClient("nan metrics"), {})}
     strategy = TrustStrategy(rule="mean", min_available_nodes=5, min_evaluate_nodes=5)

@@ -41,6 +41,18 @@ class ArrayLayout:
             k: np.array(arrays[k], copy=True) for k, f in zip(self.names, self.floating, strict=True) if not f
         }
 
+    def check_model(self, model, what: str) -> None:
+        """Refuse, naming ``what`` and the first array that differs, a :class:`fedtrust.models.FlatModel`
+        whose vector is not this layout's (a server-side model other than the one the arrays are of)."""
+        ours = [(n, s) for n, s, f in zip(self.names, self.shapes, self.floating, strict=True) if f]
+        theirs = [(n, tuple(s)) for n, s in zip(model.names, model.shapes, strict=True)]
+        if ours != theirs:
+            first = next((a, b) for a, b in zip([*ours, None], [*theirs, None], strict=False) if a != b)
+            raise ValueError(
+                f"{what} is not the model of the global arrays ({model.size} values, the arrays "
+                f"{self.size}): the arrays hold {first[0]}, the model {first[1]} (name, shape)"
+            )
+
     def flatten(self, record: ArrayRecord) -> torch.Tensor:
         """The vector of ``record``'s floating arrays; raises :class:`MalformedReply` naming what does not
         fit."""

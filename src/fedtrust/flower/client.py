@@ -149,6 +149,7 @@ def server_training(
 
     def update(arrays: ArrayRecord, server_round: int) -> ArrayRecord:
         layout = ArrayLayout(arrays)
+        layout.check_model(flat, "server_training's model")
         new, _ = _local_training(flat, layout.flatten(arrays), x, y, run, seed, server_round)
         return layout.unflatten(new)
 

@@ -201,6 +201,8 @@ class TrustStrategy(FedAvg):
         if isinstance(num_rounds, bool) or not isinstance(num_rounds, int) or num_rounds < 0:
             raise ValueError(f"num_rounds must be a whole number >= 0, got {num_rounds!r}")
         self.layout = ArrayLayout(initial_arrays)
+        if self.model is not None:
+            self.layout.check_model(self.model, "TrustStrategy: model=")
         with self.run.lock() if self.run else nullcontext():
             done: list[dict[str, Any]] = []
             if self.run is not None:
