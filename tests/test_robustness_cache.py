@@ -69,3 +69,23 @@ def test_a_cached_only_report_names_the_versions_its_runs_were_computed_under(ro
     (tmp_path / "runs.jsonl").write_text(json.dumps(cached_row(robustness, torch="9.9", numpy="8.8")) + "\n")
     robustness.main([*ARGS, "--out", str(tmp_path), "--cached-only"])
     assert "torch 9.9, numpy 8.8: 1 runs" in (tmp_path / "digits.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("option", "named"),
+    [
+        (["--rules", "krumm"], "unknown rule 'krumm'. Did you mean 'krum'?"),
+        (["--rules", "ivar_mle(weighting=screen"], "options go in parentheses"),
+        (["--rounds", "0"], "train.rounds: Input should be greater than or equal to 1 (got 0)"),
+        (["--jobs", "0"], "--jobs must be >= 1, got 0"),
+    ],
+    ids=["unknown rule", "malformed options", "no rounds", "no workers"],
+)
+def test_a_wrong_option_is_refused_before_anything_runs_or_is_cached(
+    robustness, tmp_path, capsys, option, named
+):
+    with pytest.raises(SystemExit) as exc:
+        robustness.main([*ARGS, *option, "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "runs.jsonl").exists() or not rows(tmp_path)  # no failure cached as a result

@@ -360,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
+    from fedtrust.sweeps.config import validate
     from fedtrust.sweeps.runner import source_hash  # the CLI's own: a cached run is this code's
 
     args.code = args.source or source_hash()
@@ -370,13 +371,20 @@ def main(argv: list[str] | None = None) -> None:
     cache_path = out_dir / "runs.jsonl"
     cache = {} if args.force else load_cache(cache_path)
 
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     here = libraries()
     todo, results, stale = [], {}, 0
     for rule in args.rules:
         for attack in args.attacks:
             for fraction in FRACTIONS[:1] if attack == "clean" else FRACTIONS:
                 for seed in range(args.seeds):
-                    cfg = config(args.data, args.model, rule, attack, fraction, seed, args.rounds)
+                    try:  # a typo is refused before anything runs, not cached as a failed run
+                        cfg = config(args.data, args.model, rule, attack, fraction, seed, args.rounds)
+                        if seed == 0 and not args.cached_only:
+                            validate(cfg)
+                    except ValueError as exc:  # ConfigError, or parse_spec's on a malformed rule
+                        parser.error(f"rule {rule!r}, attack {attack!r}: {exc} (nothing was run)")
                     k = key(cfg, args.code)
                     row = cache.get(k)
                     # computing: only this very code's rows are reused; rendering: whatever is cached
