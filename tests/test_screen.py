@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from fedtrust import Round, rule
-from fedtrust.inference.screen import drop_followers, observed_spread, spread_screen
+from fedtrust.aggregators.distances import gram
+from fedtrust.inference.screen import (
+    APART_RATIO,
+    drop_followers,
+    observed_spread,
+    spread_screen,
+    standing_apart,
+    two_sample,
+)
 
 TRUST = ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"]
 
@@ -172,3 +180,91 @@ def test_a_screened_rule_drops_the_colluder_its_spread_alone_would_keep(name):
     assert out.info["screen"]["split"] and out.info["screen"]["followers"] == 1
     assert out.info["screen"]["dropped"] == [f"c{i}" for i in range(30, 50)]
     torch.testing.assert_close(out.weights[:30], torch.full((30,), 1 / 30))
+
+
+def noisy_sybils_round(noise: float, seed: int = 0, d: int = 400) -> Round:
+    """IPM's vector (-3 x the honest mean) sent by 20 of 50 clients, each adding its own noise of ``noise``
+    x the honest clients' typical spread (the robustness table's ``noisy_sybil_ipm``): 30 honest updates
+    about a small common mean, with client-specific spread 0.5 to 1.5."""
+    g = torch.Generator().manual_seed(seed)
+    truth = 0.3 * torch.randn(d, generator=g)
+    honest = truth + torch.linspace(0.5, 1.5, 30)[:, None] * torch.randn(30, d, generator=g)
+    bad = -3.0 * truth + noise * torch.randn(20, d, generator=g)
+    x = torch.cat([honest, bad])
+    return Round(updates=x, client_ids=[f"c{i}" for i in range(50)])
+
+
+def populations_round(sizes, offset: float, seed: int = 0, d: int = 400) -> Round:
+    """Honest clients in populations of the given sizes, each population's centre ``offset`` per coordinate
+    from the common mean, each client with its own spread (0.5 to 1.5): data of their own, not copies."""
+    g = torch.Generator().manual_seed(seed)
+    truth = 0.3 * torch.randn(d, generator=g)
+    rows = []
+    for k in sizes:
+        centre = truth + offset * torch.randn(d, generator=g)
+        rows.append(centre + (0.5 + torch.rand(k, 1, generator=g)) * torch.randn(k, d, generator=g))
+    x = torch.cat(rows)
+    return Round(updates=x, client_ids=[f"c{i}" for i in range(len(x))])
+
+
+@pytest.mark.parametrize("name", ["ivar_mle", "icov_vb"])
+@pytest.mark.parametrize("noise", [0.3, 0.6])
+def test_noisy_sybils_that_the_fit_takes_for_its_best_sources_are_dropped(name, noise):
+    """Their tightness buys them precision: the fit's consensus sits on them, the honest clients look like
+    the outliers and are the majority, so the spread alone drops no one and the mean points against the
+    honest clients' (cosine -0.36 here before the look). Their mean stands apart from the others' far
+    beyond the honest clients' own differences, and they agree with each other: they are dropped."""
+    r = noisy_sybils_round(noise)
+    out = rule(name, weighting="screen")(r)
+    apart = out.info["screen"]["apart"]
+    assert apart["dropped"] == 20 and apart["ratio"] > APART_RATIO and apart["tightness"] < 0.5
+    assert out.info["screen"]["dropped"] == [f"c{i}" for i in range(30, 50)]
+    torch.testing.assert_close(out.vector, r.updates[:30].mean(0))
+
+
+def test_honest_populations_with_data_of_their_own_are_kept():
+    """A minority population standing apart (offset 0.5-0.8 of the per-client spread per coordinate) is
+    as spread as the rest: not a group that agrees with itself, so the look leaves it; several
+    populations set their own scale, so nothing stands apart from them."""
+    for sizes, offset in [((30, 20), 0.5), ((35, 15), 0.8), ((20, 15, 15), 0.5), ((10,) * 5, 0.5)]:
+        r = populations_round(sizes, offset)
+        block, apart = standing_apart(gram(r.updates, "mean"), torch.ones(r.n))
+        assert block is None and apart["dropped"] == 0, (sizes, offset, apart)
+        assert rule("ivar_mle", weighting="screen")(r).info["screen"]["dropped"] == [], (sizes, offset)
+
+
+def test_copies_as_spread_as_honest_clients_are_left_to_the_other_looks():
+    """At noise 1.0 the copies scatter as much as honest clients do about a crafted centre: the ordinary
+    Byzantine case. Their mean still stands apart, but the group does not agree with itself more than
+    honest clients do, so this look leaves them."""
+    r = noisy_sybils_round(1.0)
+    block, apart = standing_apart(gram(r.updates, "mean"), torch.ones(50))
+    assert block is None and apart["ratio"] > APART_RATIO and apart["tightness"] > 0.5
+
+
+def test_a_coordinated_majority_is_never_dropped():
+    g = torch.Generator().manual_seed(0)
+    truth = 0.3 * torch.randn(400, generator=g)
+    honest = truth + torch.randn(20, 400, generator=g)
+    x = torch.cat([honest, -3.0 * truth + 0.3 * torch.randn(30, 400, generator=g)])
+    block, apart = standing_apart(gram(x, "mean"), torch.ones(50))
+    assert block is None and apart["ratio"] > APART_RATIO and apart["tightness"] < 0.5
+    # counted by members: the 20 attackers' groups holding 30 of the round's 60 clients
+    r = noisy_sybils_round(0.3)
+    sizes = torch.ones(50)
+    sizes[30:] = 1.5
+    assert standing_apart(gram(r.updates, "mean"), sizes)[0] is None
+
+
+def test_the_two_sample_statistic_is_the_distance_of_the_means_over_its_standard_error():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 30, generator=g, dtype=torch.float64)
+    side = torch.zeros(12, dtype=torch.bool)
+    side[:5] = True
+    b, r = x[side], x[~side]
+    expected = (b.mean(0) - r.mean(0)).square().sum() / (
+        b.var(0).sum() / 5 + r.var(0).sum() / 7
+    )  # per coordinate unbiased variances summed: the trace of each side's covariance
+    for centre in (torch.zeros(30, dtype=torch.float64), x.mean(0), x[3]):
+        dev = x - centre
+        assert two_sample(dev @ dev.T, side) == pytest.approx(float(expected), rel=1e-12)

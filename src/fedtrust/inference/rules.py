@@ -72,7 +72,7 @@ from fedtrust.aggregators.sybils import SYBILS, Groups, all_identical, find_grou
 from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, latent_init
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
 from fedtrust.inference.result import ConvergenceWarning
-from fedtrust.inference.screen import drop_followers, observed_spread, spread_screen
+from fedtrust.inference.screen import screen
 from fedtrust.inference.tasks import TaskGram, Tasks
 
 PAPER = "Nguyen, Lim, Wynter, Cai 2021, Probabilistic Inference for Learning from Untrusted Sources"
@@ -201,13 +201,15 @@ class _WindowRule(BaseRule):
 
     @staticmethod
     def _screened(round: Round, groups: Groups, out: Aggregate, fit_round: Round) -> Aggregate:
-        """``weighting="screen"``: the groups the screen keeps (:func:`spread_screen` on each group's
-        observed spread about the fitted consensus, :func:`observed_spread`; then :func:`drop_followers`,
-        ``info["screen"]["followers"]`` the groups it dropped) get one vote each, split among their
-        members; the aggregate is the weighted mean of the updates. ``info["screen"]`` names the dropped
-        clients; the estimator's own weights stay in ``info["clients"]["coefficient"]``."""
-        keep, found = spread_screen(observed_spread(fit_round.updates, out.vector), groups.sizes)
-        keep, found["followers"] = drop_followers(fit_round.updates, keep, groups.sizes)
+        """``weighting="screen"``: the groups the screen keeps (:func:`~fedtrust.inference.screen.screen`
+        about the fitted consensus, with the grouping's Gram matrix where it took one) get one vote each,
+        split among their members; the aggregate is the weighted mean of the updates. ``info["screen"]``
+        says what each look found and names the dropped clients; the estimator's own weights stay in
+        ``info["clients"]["coefficient"]``."""
+        moments = groups.moments
+        keep, found = screen(
+            fit_round.updates, out.vector, groups.sizes, None if moments is None else moments.gram
+        )
         x = round.updates
         weights = groups.split(keep.to(torch.float64) / keep.sum()).to(device=x.device, dtype=x.dtype)
         dropped = [
