@@ -192,3 +192,42 @@ def test_cfl_bipartition_is_the_min_max_one(seed, n, d):
     b = torch.nonzero(~side).flatten()
     assert 0 < len(a) < n
     assert sim[a][:, b].max().item() == pytest.approx(cross, abs=1e-12)
+
+
+def krum_again_and_again(sq_dist, f, count):
+    """Bulyan's first phase as the paper states it: Krum's best point on the points left, count times."""
+    from fedtrust.aggregators.krum import krum_order
+
+    left, chosen = list(range(len(sq_dist))), []
+    while len(chosen) < count:
+        idx = torch.as_tensor(left)
+        _, order = krum_order(sq_dist[idx][:, idx], max(1, len(left) - f - 2))
+        chosen.append(left.pop(int(order[0])))
+    return chosen
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_recursive_krum_is_krum_applied_again_and_again(seed):
+    """The sort-once selection picks what repeated Krum picks, ties and all: copies and rounded values tie
+    exactly, and a NaN or an infinite distance counts as the largest, as in Krum's order."""
+    from fedtrust.aggregators.bulyan import recursive_krum
+    from fedtrust.aggregators.distances import pairwise_sq_distances
+    from fedtrust.aggregators.krum import krum_first, krum_order
+
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(3, 40, (1,), generator=g))
+    f = int(torch.randint(0, n // 2, (1,), generator=g))
+    x = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    if seed % 2:  # copies
+        x = x[torch.randint(0, max(1, n // 3), (n,), generator=g)]
+    sq, _ = pairwise_sq_distances(x.round(decimals=seed % 3))
+    if seed % 5 == 0:  # one client's distances all NaN: its score is NaN
+        sq[0, :] = sq[:, 0] = float("nan")
+    if seed % 5 == 1:
+        sq[0, 1] = sq[1, 0] = float("nan")
+    if seed % 7 == 0:
+        sq[2, :] = sq[:, 2] = float("inf")
+    count = int(torch.randint(1, n + 1, (1,), generator=g))
+    assert recursive_krum(sq, f, count) == krum_again_and_again(sq, f, count)
+    neighbours = max(1, n - f - 2)
+    assert krum_first(sq, neighbours) == int(krum_order(sq, neighbours)[1][0])

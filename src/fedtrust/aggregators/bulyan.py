@@ -10,7 +10,7 @@ from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.chunks import column_blocks
 from fedtrust.aggregators.core import Aggregate, Round, byzantine_budget, check_f
 from fedtrust.aggregators.distances import pairwise_sq_distances
-from fedtrust.aggregators.krum import copies_alike, krum_order
+from fedtrust.aggregators.krum import copies_alike, least_score
 from fedtrust.aggregators.median import median_window
 from fedtrust.aggregators.rank_windows import (
     map_column_blocks,
@@ -24,19 +24,29 @@ from fedtrust.aggregators.screening import FirstPass
 def recursive_krum(sq_dist: torch.Tensor, f: int, count: int) -> list[int]:
     """Select ``count`` points by applying Krum repeatedly to the points not yet selected
     (El Mhamdi et al. 2018, Algorithm 1, first phase). Krum on r remaining points scores each by its
-    r - f - 2 nearest neighbours (at least 1), so it stays defined for the last, smallest sets. The
-    (n, n) distances are read on the host: a selection per step would be a device sync each."""
-    sq_dist = sq_dist.cpu()
-    remaining = list(range(sq_dist.shape[0]))
+    r - f - 2 nearest neighbours (at least 1), so it stays defined for the last, smallest sets. Each step
+    picks the point :func:`~fedtrust.aggregators.krum.krum_order` would put first on the remaining
+    points' distances (the same sorted distances and sums, the same tie rule). The (n, n) distances are
+    read on the host (a selection per step would be a device sync each) and sorted once: a step takes
+    each remaining row's distances to the remaining points from that order."""
+    d = sq_dist.detach().cpu().numpy().copy()
+    np.fill_diagonal(d, np.inf)
+    order = np.argsort(d, axis=1, kind="stable")
+    ordered = np.take_along_axis(d, order, axis=1)
+    left = np.ones(len(d), dtype=bool)
     chosen: list[int] = []
     for _ in range(count):
-        r = len(remaining)
+        rows = np.flatnonzero(left)
+        r = len(rows)
         if r == 1:
-            chosen.append(remaining.pop())
+            chosen.append(int(rows[0]))
             break
-        idx = torch.as_tensor(remaining)
-        _, order = krum_order(sq_dist[idx][:, idx], max(1, r - f - 2))
-        chosen.append(remaining.pop(int(order[0])))
+        near = ordered[rows][left[order[rows]]].reshape(r, r)[:, : r - 1]
+        neighbours = max(1, r - f - 2)
+        scores = torch.from_numpy(near)[:, :neighbours].sum(1).numpy()  # summed as krum_order sums
+        pick = int(rows[least_score(near, scores, neighbours)])
+        chosen.append(pick)
+        left[pick] = False
     return chosen
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fedtrust._checks import check_int
@@ -13,6 +14,16 @@ from fedtrust.aggregators.screening import FirstPass
 from fedtrust.aggregators.sybils import near_duplicates
 
 
+def _nearest(sq_dist: torch.Tensor, neighbours: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each point's distances to the other points, nearest first (r, r - 1), and its Krum score: the sum
+    of the first ``neighbours`` of them."""
+    r = sq_dist.shape[0]
+    d = sq_dist.clone()
+    d.fill_diagonal_(float("inf"))
+    near = d.sort(dim=1).values[:, : r - 1]
+    return near, near[:, :neighbours].sum(1)
+
+
 def krum_order(sq_dist: torch.Tensor, neighbours: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Krum scores (sum of squared distances to the ``neighbours`` nearest other points) and the points
     ordered best first.
@@ -20,15 +31,32 @@ def krum_order(sq_dist: torch.Tensor, neighbours: int) -> tuple[torch.Tensor, to
     Ties are broken by the next-nearest distances, then the ones after, so the order does not depend
     on how clients are numbered (with one neighbour, mutual nearest neighbours always tie exactly).
     """
-    r = sq_dist.shape[0]
-    d = sq_dist.clone()
-    d.fill_diagonal_(float("inf"))
-    near = d.sort(dim=1).values[:, : r - 1]
-    scores = near[:, :neighbours].sum(1)
-    order = torch.arange(r, device=sq_dist.device)
-    for key in [near[:, j] for j in range(r - 2, neighbours - 1, -1)] + [scores]:
+    near, scores = _nearest(sq_dist, neighbours)
+    order = torch.arange(sq_dist.shape[0], device=sq_dist.device)
+    for key in [near[:, j] for j in range(near.shape[1] - 1, neighbours - 1, -1)] + [scores]:
         order = order[torch.argsort(key[order], stable=True)]
     return scores, order
+
+
+def krum_first(sq_dist: torch.Tensor, neighbours: int) -> int:
+    """The point :func:`krum_order` puts first, without ordering the rest (``sq_dist`` on the host)."""
+    near, scores = _nearest(sq_dist, neighbours)
+    return least_score(near.numpy(), scores.numpy(), neighbours)
+
+
+def least_score(near: np.ndarray, scores: np.ndarray, neighbours: int) -> int:
+    """The row :func:`krum_order` puts first, from :func:`_nearest`'s two arrays: the least score, its
+    ties broken by the next-nearest distances, then the ones after, then the lowest row, NaN counting as
+    the largest value (as in the order's stable sorts)."""
+    candidates = np.arange(len(scores))
+    for key in [scores, *near[:, neighbours:].T]:
+        if len(candidates) == 1:
+            break
+        values = key[candidates]
+        known = ~np.isnan(values)
+        if known.any():
+            candidates = candidates[known & (values == values[known].min())]
+    return int(candidates[0])
 
 
 class Krum(BaseRule):

@@ -22,7 +22,7 @@ import torch
 from fedtrust._checks import check_choice, check_float, check_int
 from fedtrust.aggregators.chunks import column_blocks
 from fedtrust.aggregators.distances import pairwise_sq_distances
-from fedtrust.aggregators.krum import krum_order
+from fedtrust.aggregators.krum import krum_first
 from fedtrust.aggregators.passes import row_norms
 from fedtrust.attacks.context import AttackContext, Knowing
 
@@ -178,8 +178,7 @@ class FangKrum(Knowing):
             full[k:, :k] = to_crafted[None, :]
             if neighbours < 1:
                 return lam
-            _, order = krum_order(full, min(neighbours, k + c - 1))
-            if int(order[0]) >= k:
+            if krum_first(full, min(neighbours, k + c - 1)) >= k:
                 return lam
             lam /= 2
         return self.threshold
