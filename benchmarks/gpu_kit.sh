@@ -16,7 +16,7 @@
 #         quick (default)  tests/test_cuda.py, gpu_rank_windows.py, gpu.py for 9 rules at 100 x 1e7
 #         full             tests/test_cuda.py, gpu_rank_windows.py, gpu.py (every rule and shape), and
 #                          simulation.py --data fashion_mnist --models cnn --device cuda --flower-devices cpu cuda
-#         STEP[,STEP...]   any of tests windows gpu-quick gpu sim, in that order (e.g. `run gpu,sim`)
+#         STEP[,STEP...]   any of tests windows gpu-quick gpu sim, run in the order given (e.g. `run gpu,sim`)
 #       Each step runs under `timeout`, all of them within GPUKIT_BUDGET seconds (default 560, inside the
 #       tool's 600); each prints its exit status and seconds; a step the budget cannot hold is skipped
 #       and named at the end. The benchmarks write after every shape or row, so a step cut short keeps what
@@ -25,8 +25,12 @@
 #       simulation_gpu.json (7 of the 8 files that come back).
 #
 # With the device tool: run(command="sh benchmarks/gpu_kit.sh run quick", carry=[".gpukit"], timeout_s=600)
-# (quick: an estimated 4-6 min; `full` takes more than one call's 600 s: call `run quick`, then `run gpu,sim`
-# while the machine is still warm, if device time is left; each call unpacks the kit again, ~15 s). Then copy
+# (measured on an H200, 2026-11-26: setup 32 s; tests more than 240 s on a fresh machine, where Triton
+# compiles every kernel variant, 56 s once compiled, so their cap is 360 s; windows 43 s; gpu 54 s, every rule
+# and shape; sim with Flower on the CPU only 75 s. `full` may not fit one call's 600 s: call `run quick`,
+# then `run gpu,sim` while the machine is still warm, if device time is left; each call unpacks the kit
+# again. A warm machine keeps /tmp/site, so a later call can also run a script directly with
+# PYTHONPATH=$PWD/src:/tmp/site). Then copy
 # what came back into benchmarks/results/ under the names the README cites (gpu.md, gpu.json,
 # gpu_rank_windows.json, simulation_gpu.md/.json; the files record the GPU's name), or suffixed with the card
 # to keep another card's numbers beside them (gpu_h100.md, ...), and name the card in the commit and README.
@@ -342,7 +346,7 @@ print("flwr", flwr.__version__, "| ray", ray.__version__)'; then
     rules=${GPU_RULES:-"mean fedavg median trimmed_mean bulyan krum multi_krum geometric_median centered_clipping"}
     for s in $steps; do
         case "$s" in
-            tests) step tests 240 $PY -m pytest -x -q -p no:cacheprovider --junitxml="$OUT/pytest.xml" tests/test_cuda.py;;
+            tests) step tests 360 $PY -m pytest -q -p no:cacheprovider --junitxml="$OUT/pytest.xml" tests/test_cuda.py;;
             windows) step windows 180 $PY benchmarks/gpu_rank_windows.py --out "$OUT/gpu_rank_windows.json";;
             gpu-quick) step gpu-quick 150 $PY benchmarks/gpu.py --n 100 --d 1e7 --rules $rules --out "$OUT/gpu";;
             gpu) step gpu 330 $PY benchmarks/gpu.py --out "$OUT/gpu";;

@@ -19,12 +19,21 @@ def kernel_path(monkeypatch):
     monkeypatch.setattr(triton_windows, "FAILURES", {})
 
 
-def test_each_kernel_serves_its_range_of_clients():
-    """The sort kernel up to SORT_CLIENTS, the count kernel up to COUNT_CLIENTS, the select kernel above,
-    float32 and float64 alike."""
-    assert [triton_windows.method_for(n) for n in (1, 16, 17, 64, 65, 100)] == [
-        "sort", "sort", "count", "count", "select", "select"
+def test_each_kernel_serves_the_range_of_clients_it_measured_fastest_in():
+    """In float32 the sort kernel up to SORT_CLIENTS, the count kernel up to COUNT_CLIENTS, the select
+    kernel above; in float64 the select kernel from SELECT_FLOAT64 clients (it measured fastest there at
+    10 and 100), the sort kernel below. Once the select kernel has failed, the count kernel takes its
+    rounds."""
+    sizes = (1, 9, 10, 16, 17, 20, 21, 64, 65, 100)
+    assert [triton_windows.method_for(n) for n in sizes] == [
+        "sort", "sort", "sort", "sort", "count", "count", "select", "select", "select", "select"
     ]  # fmt: skip
+    assert [triton_windows.method_for(n, torch.float64) for n in sizes] == [
+        "sort", "sort", "select", "select", "select", "select", "select", "select", "select", "select"
+    ]  # fmt: skip
+    triton_windows.FAILURES["select"] = "failed"
+    assert [triton_windows.method_for(n, torch.float64) for n in (9, 10, 100)] == ["sort", "count", "count"]
+    assert [triton_windows.method_for(n) for n in (20, 21, 100)] == ["count", "count", "count"]
 
 
 def test_a_kernel_that_fails_hands_over_to_the_torch_path_once(monkeypatch):

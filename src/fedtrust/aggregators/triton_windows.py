@@ -38,35 +38,37 @@ tensors in Triton's interpreter, which is how the tests check the kernels on a m
 
 Measured on an H200 (``benchmarks/gpu_rank_windows.py``, results/gpu_rank_windows.json: a median window
 of float32 ``randn``, ms, d = 1e6 / 1e7; the torch path's time includes its separate pass for the
-norms; the kernels of commit ec22266, before they shared tied slots themselves):
+norms; commit 34882bb, 2026-11-26):
 
-=====  =============  ============  ===========
-n      torch path     ``"sort"``    ``"count"``
-=====  =============  ============  ===========
-10     1.70 / 10.3    0.63 / 1.50   0.99 / 1.99
-16     1.50 / 11.6    0.30 / 1.43   0.37 / 2.03
-32     2.12 / 18.3    1.72 / 14.8   0.55 / 4.47
-64     8.17 / 71.7    6.57 / 60.2   1.93 / 15.2
-100    8.96 / 80.7    12.9 / 120    4.80 / 39.8
-=====  =============  ============  ===========
+=====  =============  ============  ============  ============
+n      torch path     ``"sort"``    ``"count"``   ``"select"``
+=====  =============  ============  ============  ============
+10     2.36 / 10.6    0.26 / 0.90   0.30 / 0.93   0.29 / 1.27
+16     1.46 / 12.0    0.20 / 0.95   0.22 / 1.16   0.23 / 1.30
+32     1.99 / 18.7    1.59 / 14.4   0.47 / 3.88   0.40 / 2.87
+64     8.45 / 74.8    6.34 / 59.7   1.34 / 12.7   0.61 / 5.61
+100    9.05 / 84.0    12.7 / 122    4.21 / 39.0   1.58 / 13.1
+=====  =============  ============  ============  ============
 
-(float64 at d = 1e7: n = 10, 1.58 by either kernel against 12.3; n = 100, 57 by ``"count"`` against
-157 and 159 by ``"sort"``.) ``"count"`` used 2048-value tiles and 4 warps; 4096- and 8192-value tiles
-and 8 warps were slower at every n measured.
+A trimmed window at 100 x 1e7: ``"count"`` 39.2, ``"select"`` 17.5 (its descent counts two ranks).
+float64 at d = 1e7: n = 10, ``"select"`` 2.30 against 3.00 (``"count"``), 3.31 (``"sort"``) and 12.6 (torch);
+n = 100, 19.8 against 82.8, 186 and 158. ``"count"`` and ``"select"`` use 2048-value tiles and 4 warps:
+4096-value tiles were slower at every n measured, 8 warps within 4%.
 
-``"select"`` has not run on a GPU yet. Its routing is from the instructions the kernels issue, read
-from their sm_90 machine code as a launch specialises them (``benchmarks/kernel_model.py``,
-results/kernel_model.json: warp-instructions over the H200's issue rate at d = 1e7, the descent's trips
-from ``randn`` columns): for a float32 median window 6.8 ms at n = 100, where the count kernel issues
-30 ms (it measured 39.8), 3.3 against 10.0 at n = 64 (measured 15.2), 1.8 against 2.8 at n = 32
-(measured 4.5); in float64 10.7 against 34.9 at n = 100 (measured 57.2). The count kernel measured
-1.3-1.6x its model at 32-100 clients and 3.3x at 10, where its code outside the tally loop dominates;
-``"select"``, whose loop synchronises the program's warps three times a bit, may run further from its
-own. So it serves where the model gives it at least 2x on a median window: above
-:data:`COUNT_CLIENTS`, in float32 (3.0x at 65 clients, 4.4x at 100; a trimmed window, whose descent
-counts two ranks, 2.1x and 3.1x) and float64 (2.3x and 3.3x; trimmed 1.6x and 2.3x). Its loads are not
-vectorised (``stride_col`` unspecialised): the vectorised tile's layout spread each column over more
-threads and made every bit's count cost 119 instructions a thread instead of 74.
+So (:func:`method_for`): in float32 the sort kernel serves up to :data:`SORT_CLIENTS` clients, the
+count kernel up to :data:`COUNT_CLIENTS`, the select kernel above; in float64 the select kernel from
+:data:`SELECT_FLOAT64` clients, the sort kernel below. The float32 edge between count and select lies
+between the two sizes measured, 16 (count 5-11% faster) and 32 (select 15-26% faster). Both pad 17-31
+clients to a 32-row tile, where select's cost is that of 32 rows and the count kernel's grows with the
+rows counted: their issue models (below) at d = 1e7, each scaled by its kernel's measured ratio to its
+model at 16 and 32 clients (count 1.4x, select 1.55x), cross at 20 clients (count 2.8 against select
+2.8 ms; at 24 3.2 against 2.8), not measured. Below 10 clients in float64 the kernels were not compared.
+
+At 100 clients ``"select"`` takes 1.8-1.9x the time the issue model of its sm_90 machine code gives
+(``benchmarks/kernel_model.py``, results/kernel_model.json: 6.8 ms at 100 x 1e7, 9.7 for the trimmed
+window, 10.7 in float64), the count kernel 1.3-2.4x (30 at 100 x 1e7, 34.9 in float64). Its loads
+are not vectorised (``stride_col`` unspecialised): the vectorised tile's layout spread each column over
+more threads and made every bit's count cost 119 instructions a thread instead of 74.
 ``benchmarks/gpu_rank_windows.py`` times all three.
 """
 
@@ -83,11 +85,14 @@ import torch
 #: (its time went x2.5 from 64 to 100 clients, the torch path's x1.1), so it serves the sizes measured to
 #: win (the module's table), though its packing would hold 1023.
 MAX_CLIENTS = 100
-#: Up to this many clients the sort kernel serves, above it the count kernel (the module's table).
+#: In float32, up to this many clients the sort kernel serves, above it the count kernel (the module's table).
 SORT_CLIENTS = 16
-#: Up to this many clients the count kernel serves, above it the select kernel, float32 and float64 (the
-#: module docstring: chosen from the kernels' issue model, to be measured).
-COUNT_CLIENTS = 64
+#: In float32, up to this many clients the count kernel serves, above it the select kernel (the module's
+#: table: measured at 16 and 32, the edge between them from the kernels' scaled issue models).
+COUNT_CLIENTS = 20
+#: In float64, from this many clients the select kernel serves, below it the sort kernel (measured at 10
+#: and 100 clients: the module's table).
+SELECT_FLOAT64 = 10
 #: Values per program's tile (BLOCK columns x N_PAD clients), and warps per program, by kernel.
 TILES = {"sort": 8192, "count": 2048, "select": 2048}
 WARPS = {"sort": 4, "count": 4, "select": 4}
@@ -97,10 +102,13 @@ WARPS = {"sort": 4, "count": 4, "select": 4}
 #: that kernel, and the others keep serving (so Bulyan's kernel failing does not cost the median its own).
 FAILURES: dict[str, str] = {}
 #: What each kernel serves and what serves instead once it has failed, for the warning.
+_ROUNDS = "the median and trimmed mean of"
 SERVES = {
-    "sort": "the median and trimmed mean of up to 16 clients take the torch path",
-    "count": "the median and trimmed mean of 17 to 64 clients take the torch path",
-    "select": "the median and trimmed mean of 65 or more clients take the count kernel",
+    "sort": f"{_ROUNDS} up to {SORT_CLIENTS} float32 clients ({SELECT_FLOAT64 - 1} float64) take the "
+    "torch path",
+    "count": f"{_ROUNDS} {SORT_CLIENTS + 1} to {COUNT_CLIENTS} float32 clients take the torch path",
+    "select": f"{_ROUNDS} {COUNT_CLIENTS + 1} or more float32 clients ({SELECT_FLOAT64} or more float64) "
+    "take the count kernel",
     "closest": "Bulyan's second phase takes the torch path",
 }
 
@@ -123,7 +131,7 @@ def suits(x: torch.Tensor, rows: int | None = None, method: str | None = None) -
         and x.dtype in (torch.float32, torch.float64)
         and (x.is_cuda or (interpreting() and x.device.type == "cpu"))
         and os.environ.get("FEDTRUST_TRITON", "1") != "0"
-        and (method or method_for(rows)) not in FAILURES
+        and (method or method_for(rows, x.dtype)) not in FAILURES
         and _kernels() is not None
     )
 
@@ -140,14 +148,16 @@ def _kernels() -> dict | None:
             "select": triton_kernels.select_kernel, "closest": triton_kernels.closest_kernel}  # fmt: skip
 
 
-def method_for(n: int) -> str:
-    """The kernel for n clients, float32 and float64 alike (the module docstring gives the margins):
-    ``"sort"`` up to :data:`SORT_CLIENTS`, ``"count"`` up to :data:`COUNT_CLIENTS`,
-    ``"select"`` above; the count kernel there too once ``"select"`` has failed (:data:`FAILURES`): the
-    measured kernel before the torch path."""
-    if n <= SORT_CLIENTS:
-        return "sort"
-    return "select" if n > COUNT_CLIENTS and "select" not in FAILURES else "count"
+def method_for(n: int, dtype: torch.dtype = torch.float32) -> str:
+    """The kernel for n clients of ``dtype`` (the module's table gives the margins): in float32
+    ``"sort"`` up to :data:`SORT_CLIENTS`, ``"count"`` up to :data:`COUNT_CLIENTS`, ``"select"`` above;
+    in float64 ``"select"`` from :data:`SELECT_FLOAT64`, ``"sort"`` below. Where ``"select"`` has failed
+    (:data:`FAILURES`) the count kernel takes its rounds: the next fastest measured, before the torch
+    path."""
+    selects = n >= SELECT_FLOAT64 if dtype == torch.float64 else n > COUNT_CLIENTS
+    if selects:
+        return "count" if "select" in FAILURES else "select"
+    return "sort" if n <= SORT_CLIENTS else "count"
 
 
 def _padded(n: int) -> int:
@@ -187,7 +197,7 @@ def rank_window(x: torch.Tensor, lo: int, hi: int, method: str | None = None) ->
     from fedtrust.aggregators.rank_windows import rank_window_by_sort
 
     n, d = x.shape
-    chosen = method or method_for(n)
+    chosen = method or method_for(n, x.dtype)
     n_pad, block, programs = _grid(chosen, n, d)
     out = torch.empty(d, dtype=x.dtype, device=x.device)
     parts = torch.empty(programs, n_pad, dtype=x.dtype, device=x.device)
