@@ -79,7 +79,7 @@ def test_device_option_refuses_a_device_by_name_before_any_run(tmp_path):
     before a run starts; a run computed on one device is skipped when asked for on another."""
     config = digits_config(tmp_path, "tiny", 2)
     bad = runner.invoke(app, ["run", str(config), "--out", str(tmp_path), "--device", "gpu"])
-    assert bad.exit_code == 2 and "train.device: Value error, must be auto, cpu, cuda" in bad.output
+    assert bad.exit_code == 2 and "train.device: must be auto, cpu, cuda" in bad.output
     demo = runner.invoke(app, ["demo", "--out", str(tmp_path), "--device", "gpu"])
     assert (
         demo.exit_code == 2

@@ -30,7 +30,7 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
         ({"train": {"lr": "fast"}}, r"train.lr: Input should be a valid number"),
         (
             {"train": {"rounds": True}},
-            r"train.rounds: Value error, must be a number, not true or false \(got True\)",
+            r"train.rounds: must be a number, not true or false \(got True\)",
         ),
         (
             {"rule": {"name": "fltrust"}},
@@ -38,7 +38,7 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
         ),
         (
             {"train": {"mode": "one_round", "server_lr": 0.5}},
-            r"train: Value error, server_lr 0.5 has no effect in one_round mode",
+            r"train: server_lr 0.5 has no effect in one_round mode",
         ),
         (
             {"corruption": {"fraction": 2}},
@@ -48,8 +48,8 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
             {"corruption": {"lie": {"metric": "x", "valu": 1}}},
             r"corruption.lie.valu: unknown key 'valu'; valid keys here: metric, value",
         ),
-        ({"data": {"benchmark": 1.5}}, r"data.benchmark: Value error, a share must be < 1"),
-        ({"name": "a b"}, r"name: Value error, use letters, digits"),
+        ({"data": {"benchmark": 1.5}}, r"data.benchmark: a share must be < 1 \(an int counts rows\), got 1.5$"),
+        ({"name": "a b"}, r"name: use letters, digits"),
         (
             {"rule": {"name": "krumm"}},
             r"rule: unknown rule 'krumm'. Did you mean 'krum'\? Valid rules: mean, fedavg",
@@ -103,8 +103,9 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
     ],
 )
 def test_bad_configs_name_the_path_and_the_valid_choices(raw, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as refused:
         validate(raw)
+    assert "Value error" not in str(refused.value)  # pydantic's prefix, not the user's business
 
 
 def test_an_empty_config_or_sweep_list_is_refused_not_run_as_the_default(tmp_path):

@@ -162,8 +162,10 @@ def _format(error: dict, where: str) -> str:
         section = _SECTIONS.get(loc[:-1])
         valid = ", ".join(section.model_fields) if section else "?"
         return f"{where}{path}: unknown key {loc[-1]!r}; valid keys here: {valid}"
-    got = error.get("input")
-    return f"{where}{path}: {error['msg']} (got {got!r})"
+    reason = error["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+    if "got " in reason:  # the validator named the value itself
+        return f"{where}{path}: {reason}"
+    return f"{where}{path}: {reason} (got {error.get('input')!r})"
 
 
 def _check_components(cfg: ExperimentConfig, where: str) -> None:
