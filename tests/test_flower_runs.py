@@ -259,3 +259,20 @@ def _share(ctx):
     from flower_grid import share
 
     return share(int(ctx.node_config["partition-id"]))
+
+
+def test_a_strategy_started_again_starts_afresh():
+    """A second start() without a run_dir is a new run: ARFL's weights, low for the node that trains on
+    random labels by the end of the first run, do not carry over, so it equals the same run on a strategy
+    never started (to float rounding: the nodes' training threads). Carried over, the models differed by
+    up to 0.08."""
+    bad = {2: {"fedtrust-corruption": "random_labels"}}
+    fresh = run(TrustStrategy(rule="arfl", **QUIET), federation(bad=bad), rounds=2)
+    reused = TrustStrategy(rule="arfl", **QUIET)
+    run(reused, federation(bad=bad), rounds=2)
+    again = run(reused, federation(bad=bad), rounds=2)
+    assert [r["round"] for r in reused.history] == [1, 2]
+    for name in fresh.arrays.keys():
+        np.testing.assert_allclose(
+            again.arrays[name].numpy(), fresh.arrays[name].numpy(), rtol=1e-5, atol=1e-6
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -153,9 +154,16 @@ class TrustStrategy(FedAvg):
         self.query_timeout = query_timeout
         given = {"name": rule, **(rule_options or {})} if isinstance(rule, str) else None
         self.run = RunDirectory(run_dir, self._describe(given)) if run_dir else None
+        self.layout: ArrayLayout | None = None
+        self._fresh_rule = copy.deepcopy(self.rule.state_dict())  # what each start() begins from
+        self._begin()
+
+    def _begin(self) -> None:
+        """A run's starting point: no rounds, no names, no trust history (the rule's state as it was when
+        the strategy was made), so a second ``start`` is a new run, not a continuation of the first."""
+        self.rule.load_state_dict(copy.deepcopy(self._fresh_rule))
         self.history: list[dict[str, Any]] = []
         self.names: dict[int, str] = {}  # node id -> the name it last gave
-        self.layout: ArrayLayout | None = None
         self.global_vector: torch.Tensor | None = None
         self.posterior_var: torch.Tensor | None = None
         self._observed = False
@@ -203,6 +211,7 @@ class TrustStrategy(FedAvg):
         self.layout = ArrayLayout(initial_arrays)
         if self.model is not None:
             self.layout.check_model(self.model, "TrustStrategy: model=")
+        self._begin()
         with self.run.lock() if self.run else nullcontext():
             done: list[dict[str, Any]] = []
             if self.run is not None:
