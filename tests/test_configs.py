@@ -48,7 +48,10 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
             {"corruption": {"lie": {"metric": "x", "valu": 1}}},
             r"corruption.lie.valu: unknown key 'valu'; valid keys here: metric, value",
         ),
-        ({"data": {"benchmark": 1.5}}, r"data.benchmark: a share must be < 1 \(an int counts rows\), got 1.5$"),
+        (
+            {"data": {"benchmark": 1.5}},
+            r"data.benchmark: a share must be < 1 \(an int counts rows\), got 1.5$",
+        ),
         ({"name": "a b"}, r"name: use letters, digits"),
         (
             {"rule": {"name": "krumm"}},

@@ -541,3 +541,15 @@ def test_a_strategy_that_trains_no_one_waits_for_no_one(monkeypatch):
     monkeypatch.setattr("flwr.serverapp.strategy.strategy_utils.sleep", sleep)
     strategy = TrustStrategy(rule="mean", fraction_train=0.0, fraction_evaluate=0.0, min_available_nodes=5)
     strategy.start(grid=federation(), initial_arrays=initial(), num_rounds=1)
+
+
+def test_initial_arrays_that_are_not_an_array_record_are_refused_as_the_servers_mistake():
+    """A torch state_dict where Flower takes an ArrayRecord: a TypeError saying how to make one, before any
+    node is messaged, not a reply-side MalformedReply in round 1."""
+    grid = federation()
+    sent = []
+    send = grid.send_and_receive
+    grid.send_and_receive = lambda messages, timeout=None: send(sent.extend(messages) or messages, timeout)
+    with pytest.raises(TypeError, match=r"initial_arrays must be a flwr.app.ArrayRecord .*got dict"):
+        TrustStrategy(rule="median").start(grid=grid, initial_arrays=dict(model().state_dict()), num_rounds=1)
+    assert sent == []

@@ -208,6 +208,11 @@ class TrustStrategy(FedAvg):
         result then holds every round's metrics."""
         if isinstance(num_rounds, bool) or not isinstance(num_rounds, int) or num_rounds < 0:
             raise ValueError(f"num_rounds must be a whole number >= 0, got {num_rounds!r}")
+        if not isinstance(initial_arrays, ArrayRecord):
+            raise TypeError(
+                "TrustStrategy.start: initial_arrays must be a flwr.app.ArrayRecord (for a torch model, "
+                f"ArrayRecord(model.state_dict())), got {type(initial_arrays).__name__}"
+            )
         self.layout = ArrayLayout(initial_arrays)
         if self.model is not None:
             self.layout.check_model(self.model, "TrustStrategy: model=")
