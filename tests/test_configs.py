@@ -48,6 +48,38 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
             {"corruption": {"lie": {"metric": "x", "valu": 1}}},
             r"corruption.lie.valu: unknown key 'valu'; valid keys here: metric, value",
         ),
+        # a Byzantine budget no round of the config can meet: refused before any client trains
+        (
+            {"data": {"clients": 10}, "rule": {"name": "krum", "f": 50}},
+            r"rule: krum: needs n > 2f \+ 2 clients, got n=10 with f=50; this config's rounds have 10 "
+            r"\(data.clients 10\)$",
+        ),
+        (
+            {"data": {"clients": 100}, "train": {"fraction": 0.2}, "rule": {"name": "bulyan", "f": 5}},
+            r"rule: bulyan: needs n >= 4f \+ 3 clients, got n=20 with f=5; this config's rounds have 20 "
+            r"\(data.clients 100 x train.fraction 0.2\)$",
+        ),
+        (
+            {
+                "data": {"clients": 8},
+                "corruption": {"name": "ipm", "added": 2},
+                "rule": {"name": "bucketing+krum", "f": 2},
+            },
+            r"rule: bucketing\+krum: krum: needs n > 2f \+ 2 clients, got n=5 with f=2; this config's rounds "
+            r"have 10 \(data.clients 8 \+ corruption.added 2\)$",
+        ),
+        (
+            {"data": {"clients": 6}, "rule": {"name": "nnm+median", "f": 3}},
+            r"rule: nnm\+median: nnm: needs n > 2f",
+        ),
+        (
+            {"data": {"clients": 6}, "rule": {"name": "dnc", "f": 3, "c": 2.0}},
+            r"rule: dnc: needs n > c f clients",
+        ),
+        (
+            {"data": {"clients": 6}, "rule": {"name": "trimmed_mean", "f": 3}},
+            r"rule: trimmed_mean: needs n > 2f",
+        ),
         (
             {"data": {"benchmark": 1.5}},
             r"data.benchmark: a share must be < 1 \(an int counts rows\), got 1.5$",
@@ -109,6 +141,23 @@ def test_bad_configs_name_the_path_and_the_valid_choices(raw, message):
     with pytest.raises(ConfigError, match=message) as refused:
         validate(raw)
     assert "Value error" not in str(refused.value)  # pydantic's prefix, not the user's business
+
+
+def test_a_byzantine_budget_the_rounds_can_meet_is_accepted():
+    """The check reads the clients a round samples: f = 3 suits Krum on 10 (n > 2f + 2), f = 2 Bulyan on
+    11 (n >= 4f + 3), a fraction resolves against the round's clients, and f left to the round (NNM's
+    None) needs nothing."""
+    for raw in [
+        {"data": {"clients": 10}, "rule": {"name": "krum", "f": 3}},
+        {
+            "data": {"clients": 10},
+            "corruption": {"name": "ipm", "added": 1},
+            "rule": {"name": "bulyan", "f": 2},
+        },
+        {"data": {"clients": 100}, "train": {"fraction": 0.2}, "rule": {"name": "multi_krum", "f": 0.4}},
+        {"data": {"clients": 4}, "rule": {"name": "nnm+median"}},
+    ]:
+        validate(raw)
 
 
 def test_an_empty_config_or_sweep_list_is_refused_not_run_as_the_default(tmp_path):

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from fedtrust.aggregators.core import Aggregate, Round
+from fedtrust.aggregators.core import Aggregate, Round, budget_for
 from fedtrust.aggregators.screening import call_rule
 
 __all__ = ["BaseRule", "Component"]
@@ -43,9 +43,20 @@ class Component:
     across rounds unless they override ``state_dict`` / ``load_state_dict``."""
 
     name: ClassVar[str] = "base"
+    #: A Byzantine budget's requirement, where the component has one: its text and the fewest vectors
+    #: that tolerate f (``"n > 2f + 2", lambda f: 2 * f + 3`` for Krum).
+    need: tuple[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+    def check_clients(self, n: int) -> None:
+        """Refuse (:class:`~fedtrust.aggregators.core.RoundRefused`, naming the requirement) an ``f`` that no
+        round of ``n`` clients can meet, none of them quarantined: how a config is checked before any run
+        trains. Nothing to check without a budget or with ``f`` left to the round (None)."""
+        f = getattr(self, "f", None)
+        if self.need is not None and f is not None:
+            budget_for(self.name, f, n, 0, *self.need)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state:

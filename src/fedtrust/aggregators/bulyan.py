@@ -66,6 +66,8 @@ class Bulyan(BaseRule):
         "El Mhamdi, Guerraoui, Rouault 2018, The Hidden Vulnerability of Distributed Learning in Byzantium"
     )
 
+    need = ("n >= 4f + 3", lambda f: 4 * f + 3)
+
     def __init__(self, f: int | float = 0):
         self.f = check_f(self.name, f)
 
@@ -75,7 +77,7 @@ class Bulyan(BaseRule):
 
     def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
         dist = first.value
-        f = byzantine_budget(self.name, self.f, round, "n >= 4f + 3", lambda f: 4 * f + 3)
+        f = byzantine_budget(self.name, self.f, round, *self.need)
         theta = round.n - 2 * f
         beta = theta - 2 * f
         selected = torch.as_tensor(sorted(recursive_krum(dist, f, theta)), device=round.updates.device)

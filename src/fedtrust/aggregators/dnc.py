@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -100,11 +101,14 @@ class DnC(SeededCalls, BaseRule):
     def _removed(self, f: int) -> int:
         return math.ceil(round(self.c * f, 9))  # c f = 3.0000000000000004 removes 3
 
+    @property
+    def need(self) -> tuple[str, Any]:
+        return ("n > c f" if self.c != 1 else "n > f"), lambda f: self._removed(f) + 1
+
     def aggregate(self, round: Round) -> Aggregate:
         x = round.updates
         n, d = x.shape
-        need = "n > c f" if self.c != 1 else "n > f"
-        f = byzantine_budget(self.name, self.f, round, need, lambda f: self._removed(f) + 1)
+        f = byzantine_budget(self.name, self.f, round, *self.need)
         keep = n - self._removed(f)
         generator = self.round_generator("dnc")
         good = torch.ones(n, dtype=torch.bool, device=x.device)

@@ -71,6 +71,8 @@ class Krum(BaseRule):
     name = "krum"
     paper = "Blanchard et al. 2017, Machine Learning with Adversaries: Byzantine Tolerant Gradient Descent"
 
+    need = ("n > 2f + 2", lambda f: 2 * f + 3)
+
     def __init__(self, f: int | float = 0):
         self.f = check_f(self.name, f)
 
@@ -79,7 +81,7 @@ class Krum(BaseRule):
         return FirstPass(dist, norms)
 
     def _order(self, round: Round, first: FirstPass) -> tuple[torch.Tensor, torch.Tensor, int]:
-        f = byzantine_budget(self.name, self.f, round, "n > 2f + 2", lambda f: 2 * f + 3)
+        f = byzantine_budget(self.name, self.f, round, *self.need)
         scores, order = krum_order(first.value, round.n - f - 2)
         return scores, order, f
 

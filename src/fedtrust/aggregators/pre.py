@@ -50,6 +50,10 @@ class PreAggregator(Component):
     def __call__(self, x: torch.Tensor, quarantined: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def rows(self, n: int) -> int:
+        """How many vectors this stage hands on from n."""
+        return n
+
 
 def _check_f(owner: str, f: Any) -> int | float | None:
     """A pre-aggregator's ``f``: None (the most the vectors tolerate, floor((n - 1) / 2)), a count or a
@@ -57,13 +61,17 @@ def _check_f(owner: str, f: Any) -> int | float | None:
     return None if f is None else check_f(owner, f)
 
 
+#: The requirement of NNM's and ARC's f.
+NEED = ("n > 2f", lambda f: 2 * f + 1)
+
+
 def _budget(owner: str, f: int | float | None, n: int, quarantined: int) -> int:
     """The f to use on n vectors after ``quarantined`` clients were set aside (they count against f, as in
     :func:`~fedtrust.aggregators.core.byzantine_budget`); None means floor((n_all - 1) / 2) of all of
-    them. Needs n > 2f, which the default always meets."""
+    them. Needs n > 2f (:data:`NEED`), which the default always meets."""
     if f is None:
         f = (n + quarantined - 1) // 2
-    return budget_for(owner, f, n, quarantined, "n > 2f", lambda f: 2 * f + 1)
+    return budget_for(owner, f, n, quarantined, *NEED)
 
 
 def _mix(m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -93,6 +101,8 @@ class NNM(PreAggregator):
 
     name = "nnm"
     paper = "Allouah et al. 2023, Fixing by Mixing: A Recipe for Optimal Byzantine ML under Heterogeneity"
+
+    need = NEED
 
     def __init__(self, f: int | float | None = None):
         self.f = _check_f(self.name, f)
@@ -133,6 +143,9 @@ class Bucketing(SeededCalls, PreAggregator):
     def __init__(self, s: int = 2, seed: int = 0):
         self.s = check_int(f"{self.name}: s", s, minimum=1)
         self.seed = check_seed(f"{self.name}: seed", seed)
+
+    def rows(self, n: int) -> int:
+        return -(-n // self.s)
 
     def __call__(self, x: torch.Tensor, quarantined: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.shape[0]
@@ -181,6 +194,8 @@ class ARC(PreAggregator):
 
     name = "arc"
     paper = "Allouah et al. 2025, Adaptive Gradient Clipping for Robust Federated Learning (ARC)"
+
+    need = NEED
 
     def __init__(self, f: int | float | None = None):
         self.f = _check_f(self.name, f)
@@ -285,6 +300,17 @@ class PreAggregated(BaseRule):
         inner = self._rule.options() if hasattr(self._rule, "options") else {}
         pre = [{"name": p.name, **p.options()} for p in self._pre]
         return {"pre": pre, "rule": {"name": getattr(self._rule, "name", "?"), **inner}}
+
+    def check_clients(self, n: int) -> None:
+        """Each stage's budget on the vectors it gets, then the rule's on what the stages hand on."""
+        try:
+            for stage in self._pre:
+                stage.check_clients(n)
+                n = stage.rows(n)
+            if hasattr(self._rule, "check_clients"):
+                self._rule.check_clients(n)
+        except ValueError as exc:  # a RoundRefused, named for the rule the user built
+            raise type(exc)(f"{self.name}: {exc}") from None
 
     def aggregate(self, round: Round) -> Aggregate:
         x = round.updates

@@ -23,11 +23,13 @@ class TrimmedMean(BaseRule):
     name = "trimmed_mean"
     paper = "Yin et al. 2018, Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates"
 
+    need = ("n > 2f", lambda f: 2 * f + 1)
+
     def __init__(self, f: int | float = 0.1):
         self.f = check_f(self.name, f)
 
     def _trimmed(self, round: Round) -> int:
-        return byzantine_budget(self.name, self.f, round, "n > 2f", lambda f: 2 * f + 1)
+        return byzantine_budget(self.name, self.f, round, *self.need)
 
     def first_pass(self, round: Round) -> FirstPass:  # the whole rule: one selection pass takes the norms
         try:

@@ -130,7 +130,7 @@ class Simulation:
 
     def sample(self, t: int) -> list[int]:
         k = self.fed.num_clients
-        m = max(1, round(self.settings.fraction * k))
+        m = self.settings.clients_per_round(k)
         return sorted(torch.randperm(k, generator=stream(self.seed, "sample", t))[:m].tolist())
 
     def local_updates(self, t: int, chosen: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:

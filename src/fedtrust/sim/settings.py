@@ -106,3 +106,7 @@ class TrainSettings(Settings):
     def rounds_run(self) -> int:
         """How many rounds a run has: ``rounds``, or one in one_round mode."""
         return 1 if self.mode == "one_round" else self.rounds
+
+    def clients_per_round(self, k: int) -> int:
+        """How many of ``k`` clients a round samples: ``fraction`` of them, at least one."""
+        return max(1, round(self.fraction * k))

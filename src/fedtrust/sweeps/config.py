@@ -199,6 +199,18 @@ def _check_components(cfg: ExperimentConfig, where: str) -> None:
         ),
     )
     built = guard("rule", lambda: build_rule(cfg.rule.name, **cfg.rule.options))  # "nnm+median", pre: [...]
+    if hasattr(built, "check_clients"):  # a Byzantine budget no round of this config can meet
+        k = cfg.data.clients + cfg.corruption.added
+        n = cfg.train.clients_per_round(k)
+        try:
+            built.check_clients(n)
+        except ValueError as exc:
+            added = f" + corruption.added {cfg.corruption.added}" if cfg.corruption.added else ""
+            sampled = f" x train.fraction {cfg.train.fraction}" if n != k else ""
+            raise ConfigError(
+                f"{where}rule: {exc}; this config's rounds have {n} (data.clients {cfg.data.clients}{added}"
+                f"{sampled})"
+            ) from None
     reads = getattr(built, "reads_reference", ())
     if reads and not cfg.data.benchmark:
         raise ConfigError(
