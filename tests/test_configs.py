@@ -364,3 +364,17 @@ def test_option_values_only_the_data_can_check_are_refused_before_any_run(tmp_pa
     with pytest.raises(ConfigError, match=message):
         run_experiment(cfg, tmp_path, progress=False)
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_swept_section_without_a_name_is_labelled_by_its_options(tmp_path):
+    """corruption.lie swept over [null, {metric: train_loss, value: 0.0}]: the report's columns read
+    'corruption.lie=None' and 'corruption.lie=metric=train_loss, value=0.0', not an empty label that
+    hides what the column is."""
+    from fedtrust.report.results import Run, options_that_differ
+
+    runs = [
+        Run(tmp_path / str(k), {"swept": {"rule": {"name": "arfl"}, "corruption.lie": lie, "seed": 0}}, [])
+        for k, lie in enumerate([None, {"metric": "train_loss", "value": 0.0}])
+    ]
+    options_that_differ(runs)
+    assert [r.setting for r in runs] == ["corruption.lie=None", "corruption.lie=metric=train_loss, value=0.0"]

@@ -205,18 +205,25 @@ def spec(section: dict[str, Any], keys: tuple[str, ...] | None = None) -> str:
 
 def options_that_differ(runs: list[Run]) -> None:
     """Set each run's ``shown``: per swept section, the options whose values differ between runs whose
-    sections share a name (the name alone tells the others apart)."""
-    sections: dict[str, dict[str, list[dict]]] = {}
+    sections share a name (the name alone tells the others apart). A section without a name
+    (``corruption.lie: {metric: train_loss, value: 0.0}``) is its options, all of them shown."""
+    sections: dict[str, dict[str | None, list[dict]]] = {}
     for r in runs:
         for path, value in r.manifest.get("swept", {}).items():
             if isinstance(value, dict):
-                sections.setdefault(path, {}).setdefault(str(value.get("name")), []).append(value)
+                name = value.get("name")
+                sections.setdefault(path, {}).setdefault(None if name is None else str(name), []).append(
+                    value
+                )
     shown = {}
     for path, by_name in sections.items():
         differ = set()
-        for values in by_name.values():
+        for name, values in by_name.items():
             for k in set().union(*values) - {"name"}:
-                if len({json.dumps(v.get(k), sort_keys=True, default=str) for v in values}) > 1:
+                if (
+                    name is None
+                    or len({json.dumps(v.get(k), sort_keys=True, default=str) for v in values}) > 1
+                ):
                     differ.add(k)
         shown[path] = tuple(sorted(differ))
     for r in runs:
