@@ -129,15 +129,16 @@ def test_a_swept_rule_option_is_plotted_against_its_values(tmp_path):
 
 
 def test_run_prints_a_summary_table_and_a_failed_run_exits_non_zero(tmp_path):
+    # every client crashing (NaN updates, all quarantined) fails every round of that run, at run time
     config = digits_config(
-        tmp_path, "mixed", 2, sweep={"rule": [{"name": "mean"}, {"name": "krum", "f": 0.45}]}
+        tmp_path, "mixed", 2, corruption={"name": "crash"}, sweep={"corruption.fraction": [0.0, 1.0]}
     )
     result = runner.invoke(app, ["run", str(config), "--out", str(tmp_path), "--no-progress"])
     assert result.exit_code == 1
     lines = result.output.splitlines()
-    mean = next(line for line in lines if "rule=mean" in line)
-    assert "finished" in mean and "accuracy 0." in mean and " s " in mean + " "
-    assert any("rule=krum,f=0.45" in line and "failed" in line for line in lines)
+    clean = next(line for line in lines if "fraction=0.0" in line)
+    assert "finished" in clean and "accuracy 0." in clean and " s " in clean + " "
+    assert any("fraction=1.0" in line and "failed" in line for line in lines)
     assert "no round could be" in result.output and "1 finished, 0 skipped, 1 failed" in result.output
     assert "error: 1 of 2 runs failed" in result.output
 

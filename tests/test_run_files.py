@@ -498,11 +498,12 @@ def test_a_finished_run_whose_manifest_holds_a_wrong_kind_is_named_not_skipped(t
 
 
 def test_a_run_where_every_round_failed_is_failed_with_the_reason(tmp_path):
-    outcome = run_experiment(config(rule={"name": "krum", "f": 0.45}), tmp_path, progress=False)[0]
+    every_client_crashes = {"name": "crash", "fraction": 1.0}  # NaN updates: each round all quarantined
+    outcome = run_experiment(config(corruption=every_client_crashes), tmp_path, progress=False)[0]
     manifest = RunStore(outcome.directory).manifest()
     assert outcome.status == manifest["status"] == "failed"
     assert "no round could be aggregated: all 5 failed" in manifest["error"]
-    assert "krum: needs n > 2f + 2 clients" in manifest["error"]
+    assert "clients were quarantined" in manifest["error"] and "non-finite entries" in manifest["error"]
 
 
 def test_a_model_that_goes_non_finite_fails_the_run_which_stops_there(tmp_path):
@@ -572,14 +573,16 @@ def test_the_report_marks_failed_runs_instead_of_averaging_them(tmp_path):
     from fedtrust.report import write_report
     from fedtrust.report.results import Run, load_runs, table
 
-    cfg = config(train__rounds=2, sweep={"rule": [{"name": "mean"}, {"name": "krum", "f": 0.45}]})
-    run_experiment(cfg, tmp_path, progress=False)
-    runs = load_runs(tmp_path / "t")
+    # every client crashing fails the run at run time (an impossible f is refused with the config)
+    crash = {"name": "crash", "fraction": 1.0}
+    cfg = config(train__rounds=2, corruption=crash, sweep={"rule": [{"name": "mean"}, {"name": "median"}]})
+    run_experiment(cfg, tmp_path / "crash", progress=False)
+    runs = load_runs(tmp_path / "crash")
     _, _, cells = table(runs, Run.final)
-    krum = next(c for (rule, _), c in cells.items() if rule.startswith("krum"))
-    assert krum.failed == 1 and krum.count == 0 and math.isnan(krum.mean)
-    text = write_report(tmp_path / "t").read_text()
-    assert "| krum(f=0.45) | failed |" in text
+    median = next(c for (rule, _), c in cells.items() if rule.startswith("median"))
+    assert median.failed == 1 and median.count == 0 and math.isnan(median.mean)
+    text = write_report(tmp_path / "crash" / "t").read_text()
+    assert "| median | failed |" in text
     assert "## Failed runs" in text and "no round could be aggregated" in text
 
 

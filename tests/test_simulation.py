@@ -170,11 +170,11 @@ def test_benchmark_split_is_held_out_and_reference_scores_updates():
 
 
 def test_a_rule_error_skips_the_round_and_the_run_goes_on_and_fails_when_no_round_is_left():
-    # krum with f = 0.45 of 10 sampled clients needs n > 2f + 2 = 10: every round fails, cleanly
-    sim = build_simulation(config(rule__name="krum", rule__f=0.45))
+    # every client sends NaN: each round quarantines all of them and fails, cleanly
+    sim = build_simulation(config(corruption={"name": "crash", "fraction": 1.0}))
     records = sim.run()
-    assert len(records) == 6 and all("krum: needs n > 2f + 2 clients" in r["error"] for r in records)
-    assert sim.failure.startswith("no round could be aggregated: all 6 failed (RoundRefused: krum: needs")
+    assert len(records) == 6 and all("all 10 clients were quarantined" in r["error"] for r in records)
+    assert sim.failure.startswith("no round could be aggregated: all 6 failed (NoValidUpdates: fedavg:")
 
 
 def test_partial_participation_samples_the_requested_share():
