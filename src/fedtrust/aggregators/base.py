@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from fedtrust.aggregators.core import Aggregate, Round, budget_for
+from fedtrust.aggregators.core import Aggregate, Round, budget_for, byzantine_budget
 from fedtrust.aggregators.screening import call_rule
 
 __all__ = ["BaseRule", "Component"]
@@ -49,6 +49,11 @@ class Component:
 
     def state_dict(self) -> dict[str, Any]:
         return {}
+
+    def budget(self, round: Round) -> int:
+        """The f this round affords under ``need`` (:func:`~fedtrust.aggregators.core.byzantine_budget`:
+        quarantined clients count against f), or RoundRefused naming the requirement."""
+        return byzantine_budget(self.name, self.f, round, *self.need)
 
     def check_clients(self, n: int) -> None:
         """Refuse (:class:`~fedtrust.aggregators.core.RoundRefused`, naming the requirement) an ``f`` that no

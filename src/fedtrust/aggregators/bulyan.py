@@ -8,7 +8,7 @@ import torch
 from fedtrust.aggregators import triton_windows
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.chunks import column_blocks
-from fedtrust.aggregators.core import Aggregate, Round, byzantine_budget, check_f
+from fedtrust.aggregators.core import Aggregate, Round, check_f
 from fedtrust.aggregators.distances import pairwise_sq_distances
 from fedtrust.aggregators.krum import copies_alike, least_score
 from fedtrust.aggregators.median import median_window
@@ -77,7 +77,7 @@ class Bulyan(BaseRule):
 
     def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
         dist = first.value
-        f = byzantine_budget(self.name, self.f, round, *self.need)
+        f = self.budget(round)
         theta = round.n - 2 * f
         beta = theta - 2 * f
         selected = torch.as_tensor(sorted(recursive_krum(dist, f, theta)), device=round.updates.device)

@@ -10,7 +10,7 @@ import torch
 
 from fedtrust._checks import check_float, check_int, check_seed
 from fedtrust.aggregators.base import BaseRule
-from fedtrust.aggregators.core import Aggregate, Round, RoundRefused, byzantine_budget, check_f
+from fedtrust.aggregators.core import Aggregate, Round, RoundRefused, check_f
 from fedtrust.aggregators.passes import weighted_sum
 from fedtrust.aggregators.state import SeededCalls
 
@@ -108,7 +108,7 @@ class DnC(SeededCalls, BaseRule):
     def aggregate(self, round: Round) -> Aggregate:
         x = round.updates
         n, d = x.shape
-        f = byzantine_budget(self.name, self.f, round, *self.need)
+        f = self.budget(round)
         keep = n - self._removed(f)
         generator = self.round_generator("dnc")
         good = torch.ones(n, dtype=torch.bool, device=x.device)

@@ -7,7 +7,7 @@ import torch
 
 from fedtrust._checks import check_int
 from fedtrust.aggregators.base import BaseRule
-from fedtrust.aggregators.core import Aggregate, Round, byzantine_budget, check_f
+from fedtrust.aggregators.core import Aggregate, Round, check_f
 from fedtrust.aggregators.distances import pairwise_sq_distances
 from fedtrust.aggregators.passes import weighted_sum
 from fedtrust.aggregators.screening import FirstPass
@@ -81,7 +81,7 @@ class Krum(BaseRule):
         return FirstPass(dist, norms)
 
     def _order(self, round: Round, first: FirstPass) -> tuple[torch.Tensor, torch.Tensor, int]:
-        f = byzantine_budget(self.name, self.f, round, *self.need)
+        f = self.budget(round)
         scores, order = krum_order(first.value, round.n - f - 2)
         return scores, order, f
 

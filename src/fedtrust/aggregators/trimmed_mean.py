@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fedtrust.aggregators.base import BaseRule
-from fedtrust.aggregators.core import Aggregate, Round, RoundRefused, byzantine_budget, check_f
+from fedtrust.aggregators.core import Aggregate, Round, RoundRefused, check_f
 from fedtrust.aggregators.rank_windows import rank_window
 from fedtrust.aggregators.screening import FirstPass
 
@@ -28,12 +28,9 @@ class TrimmedMean(BaseRule):
     def __init__(self, f: int | float = 0.1):
         self.f = check_f(self.name, f)
 
-    def _trimmed(self, round: Round) -> int:
-        return byzantine_budget(self.name, self.f, round, *self.need)
-
     def first_pass(self, round: Round) -> FirstPass:  # the whole rule: one selection pass takes the norms
         try:
-            b = self._trimmed(round)
+            b = self.budget(round)
         except RoundRefused:  # too few clients for f; quarantined ones would count against f: screen first
             return FirstPass(None, round.norms)
         vector, weights, norms = rank_window(round.updates, b, round.n - b)
@@ -41,6 +38,6 @@ class TrimmedMean(BaseRule):
 
     def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
         if first.value is None:  # too few clients for f, and the screen removed none: its error stands
-            self._trimmed(round)
+            self.budget(round)
         vector, weights, b = first.value
         return Aggregate(vector, weights, {"trimmed_per_side": b})
