@@ -3,6 +3,7 @@
 metrics records."""
 
 import inspect
+import json
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from flwr.app import MetricRecord  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 
 from fedtrust.flower import TrustStrategy  # noqa: E402
+from fedtrust.report import write_report  # noqa: E402
 
 
 def test_every_fedavg_option_is_taken_with_its_name_and_default():
@@ -99,14 +101,32 @@ def test_custom_keys_metric_functions_and_sampling_are_honoured():
     assert strategy.history[-1]["dropped"] == {}
 
 
-def test_a_zero_fraction_skips_training_or_evaluation_as_fedavg_does():
+def test_a_zero_fraction_skips_training_or_evaluation_as_fedavg_does(tmp_path):
     result = run(TrustStrategy(rule="median", fraction_evaluate=0.0, min_available_nodes=4), federation())
     assert result.evaluate_metrics_clientapp == {} and len(result.train_metrics_clientapp) == 3
-    strategy = TrustStrategy(rule="median", fraction_train=0.0, min_available_nodes=4, min_evaluate_nodes=4)
-    result = run(strategy, federation(), rounds=1)
+    strategy = TrustStrategy(rule="median", fraction_train=0.0, min_available_nodes=4, min_evaluate_nodes=4,
+                             run_dir=tmp_path / "run")  # fmt: skip
+    result = run(strategy, federation(), rounds=2)
     for name, array in initial().items():
         assert np.array_equal(result.arrays[name].numpy(), array.numpy())
-    assert len(result.evaluate_metrics_clientapp) == 1 and strategy.history[0]["error"] == "no usable reply"
+    assert len(result.evaluate_metrics_clientapp) == 2
+    # an evaluation-only run is not a failed one: its rounds say training was skipped, and why
+    for record in strategy.history:
+        assert (
+            record["error"] is None and record["skipped"] == "no node was asked to train (fraction_train=0)"
+        )
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["status"] == "finished" and manifest["error"] is None
+    # and its report renders (the trust heatmap of no client had failed on an empty axis)
+    report = write_report(tmp_path, tmp_path / "report").read_text()
+    assert "No round trained a client: there is no trust to show." in report
+
+
+def test_a_round_whose_sampled_nodes_all_fail_is_still_an_error():
+    strategy = TrustStrategy(rule="median", fraction_evaluate=0.0, min_available_nodes=4)
+    run(strategy, federation(bad={k: {"fedtrust-attack": "crash"} for k in range(4)}), rounds=1)
+    record = strategy.history[0]
+    assert record["error"] and record["skipped"] is None and len(record["quarantined"]) == 4
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,27 @@ def test_a_node_that_never_replies_is_named_in_the_drops():
     assert all(k.startswith("one of ") and "partition-2" in k and "partition-3" in k for k in dropped)
 
 
+def test_a_node_silent_in_arfls_initial_report_is_named_in_the_log(caplog):
+    """ARFL's initial report asks every connected node for its loss; one that sends nothing back (hung)
+    is logged under its id with the reason, as a round's drops are, and the others' losses are kept (it
+    was left out without a word before)."""
+
+    class Mute(InProcessGrid):
+        def send_and_receive(self, messages, timeout=None):
+            kept = [
+                m
+                for m in messages
+                if not (m.metadata.message_type == "query" and m.metadata.dst_node_id == 103)
+            ]
+            return super().send_and_receive(kept, timeout)
+
+    strategy = TrustStrategy(rule="arfl", fraction_train=0.5, min_train_nodes=2, **QUIET)
+    with caplog.at_level("WARNING"):
+        run(strategy, Mute(federation().nodes), rounds=1)
+    assert f"initial report: dropped node 103: {NO_REPLY}" in caplog.text
+    assert {100, 101, 102} <= set(strategy.rule.state_dict()["loss"])
+
+
 def test_the_report_names_the_nodes_each_round_left_out_and_why(tmp_path):
     """An operator reading the report sees which node was left out of which rounds and why: a crashed
     device named ward-2, quarantined in every round, and node 103 (partition-3), unreachable in round 2 only."""

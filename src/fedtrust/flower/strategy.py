@@ -352,7 +352,7 @@ class TrustStrategy(FedAvg):
             self._construct_messages(query, nodes, MessageType.QUERY), timeout=self.query_timeout
         )
         accepted, dropped = screen(replies, self.weighted_by_key, (self.train_loss_key,),
-                                   by_name=self.identity == "name", known=self.names)  # fmt: skip
+                                   by_name=self.identity == "name", known=self.names, sent=nodes)  # fmt: skip
         self.names.update({r.node: r.name for r in accepted})
         for name, reason in dropped.items():
             log(WARNING, "initial report: dropped node %s: %s", name, reason)
@@ -410,6 +410,10 @@ class TrustStrategy(FedAvg):
         record.update(
             received=len(replies), dropped=dropped, clients=names, node_ids=[r.node for r in accepted]
         )
+        if not replies and not self._sent["train"]:  # FedAvg asked no one: fraction_train is 0
+            record["skipped"] = f"no node was asked to train (fraction_train={self.fraction_train:g})"
+            log(INFO, "aggregate_train: round %d: %s", t, record["skipped"])
+            return self._unchanged(record)
         if not accepted:
             return self._keep(record, "no usable reply")
         counts = [r.number(self.weighted_by_key) for r in accepted]
@@ -471,6 +475,10 @@ class TrustStrategy(FedAvg):
         arrays), and why."""
         log(WARNING, "aggregate_train: round %d: the global model stays: %s", record["round"], error)
         record["error"] = error
+        return self._unchanged(record)
+
+    def _unchanged(self, record: dict[str, Any]) -> tuple[ArrayRecord, MetricRecord]:
+        """The previous model again, for a round that failed (:meth:`_keep`) or trained no one."""
         record["train_metrics"] = {"dropped": len(record["dropped"])}
         return self.layout.unflatten(self.global_vector), MetricRecord(record["train_metrics"])
 
@@ -568,7 +576,7 @@ def _finite_metrics(metrics: dict[str, Any]) -> bool:
 def _empty_record(t: int) -> dict[str, Any]:
     return {"round": t, "received": 0, "dropped": {}, "clients": [], "node_ids": [], "num_samples": [],
             "corrupted": [], "weights": [], "train_loss": None, "auroc": None, "quarantined": {}, "info": {},
-            "error": None, "metrics": None}  # fmt: skip
+            "error": None, "skipped": None, "metrics": None}  # fmt: skip
 
 
 def _options(rule: Any) -> dict[str, Any]:

@@ -356,8 +356,10 @@ def _trust(done: list[Run], out: Path) -> list[str]:
         return []
     lines = ["## Trust over rounds", ""]
     for setting in dict.fromkeys(r.setting for r in done):
-        png = trust_heatmaps(
-            [r for r in done if r.setting == setting], out / f"trust_{slug(setting)}.png", setting
-        )
+        runs = [r for r in done if r.setting == setting]
+        if not any(rec["clients"] for r in runs for rec in r.rounds):  # an evaluation-only Flower run
+            lines += [f"### {setting}", "", "No round trained a client: there is no trust to show.", ""]
+            continue
+        png = trust_heatmaps(runs, out / f"trust_{slug(setting)}.png", setting)
         lines += [f"### {setting}", "", f"![trust]({png.name})", ""]
     return lines
