@@ -2,6 +2,8 @@
 
     python benchmarks/gpu.py                         # n in {10, 100} x d in {1e6, 1e7}, float32, cuda
     python benchmarks/gpu.py --device cuda:1 --n 100 --d 1e7
+    python benchmarks/gpu.py --n 24 32 64 --dtype float32 float64 --rules median trimmed_mean bulyan
+    python benchmarks/gpu.py --device cpu --n 6 --d 1e3 --repeat 1   # the script itself, on any machine
 
 The round is ``aggregation.py``'s (n/5 clients send 10x larger vectors), built on the CPU from the
 same seed and moved to the device. Each call is timed between ``torch.cuda.synchronize()`` calls
@@ -10,7 +12,9 @@ made. *floor*: one ``x.mean(0)``. ByzFL 0.0.11's aggregators take the same CUDA 
 where its settings differ from fedtrust's defaults fedtrust runs with ByzFL's (as in ``aggregation.py``).
 Results: ``benchmarks/results/gpu.md`` and ``.json``, the GPU named. The goals: every rule >= 2x
 ByzFL's speed, mean-like rules within 1.5 floors, order statistics within 10.
-Needs a CUDA device; on a machine without one it says so and exits 2.
+``--dtype`` takes float32 and/or float64 (each row records its own). Needs a CUDA device, unless
+``--device cpu`` (a check of the script on any machine, in the tests; ``aggregation.py`` is the CPU
+benchmark); asked for CUDA where there is none it says so and exits 2.
 """
 
 from __future__ import annotations
@@ -49,15 +53,18 @@ MEAN_LIKE = {"mean", "fedavg", "norm_bounding", "fltrust", "fedag"}
 ORDER_STATISTICS = {"median", "trimmed_mean", "bulyan"}
 
 
-def timed(call, repeat: int) -> float:
+def timed(call, repeat: int, device: torch.device) -> float:
+    """The median seconds of ``repeat`` calls after one warm-up, each between two syncs of ``device``
+    (none needed on the CPU)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     call()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(repeat):
-        torch.cuda.synchronize()
+        sync()
         began = time.perf_counter()
         call()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - began)
     return statistics.median(times)
 
@@ -67,35 +74,40 @@ def fresh(name: str, options: dict, r: Round):
     return rule(name, **options)(r)
 
 
-def bench(n: int, d: int, device: torch.device, names: list[str], repeat: int) -> list[dict]:
+def bench(
+    n: int, d: int, device: torch.device, names: list[str], repeat: int, dtype: torch.dtype = torch.float32
+) -> list[dict]:
     cpu_round, f = attacked_round(n, d)
-    x = cpu_round.updates.to(device)
-    r = Round(updates=x, metrics={k: v.to(device) for k, v in cpu_round.metrics.items()},
+    x = cpu_round.updates.to(device, dtype)
+    r = Round(updates=x, metrics={k: v.to(device, dtype) for k, v in cpu_round.metrics.items()},
               reference=cpu_round.reference)  # fmt: skip
-    floor = timed(lambda: x.mean(0), repeat)
+    del cpu_round
+    timed_ = partial(timed, repeat=repeat, device=device)
+    kind = str(dtype).removeprefix("torch.")
+    floor = timed_(lambda: x.mean(0))
     module = byzfl_aggregators()
     rows = []
     for name in names:
         options = options_for(name, n, f)
-        row = {"rule": name, "n": n, "d": d, "floor": floor}
+        row = {"rule": name, "n": n, "d": d, "dtype": kind, "floor": floor}
         try:
-            row["seconds"] = timed(partial(fresh, name, options, r), repeat)
+            row["seconds"] = timed_(partial(fresh, name, options, r))
         except Exception as exc:  # noqa: BLE001 - a rule that fails on the device is a result here
             row["error"] = f"{type(exc).__name__}: {exc}"[:200]
             rows.append(row)
-            print(f"n={n:4d} d={d:9.0e} {name:20s} FAILED {row['error']}", flush=True)
+            print(f"n={n:4d} d={d:9.0e} {kind} {name:20s} FAILED {row['error']}", flush=True)
             continue
         peer = BYZFL.get(name)
         if peer is not None and module is not None:
             make, theirs = peer
-            row["byzfl"] = timed(partial(make(module, n, f), x), repeat)
+            row["byzfl"] = timed_(partial(make(module, n, f), x))
             if theirs is not None:
                 matched = {**options, **{k: (n - f if k == "m" else v) for k, v in theirs.items()}}
-                row["matched"] = timed(partial(fresh, name, matched, r), repeat)
+                row["matched"] = timed_(partial(fresh, name, matched, r))
         ours = row.get("matched", row["seconds"])
         speed = f", ByzFL {row['byzfl'] * 1e3:.1f} ms ({row['byzfl'] / ours:.1f}x)" if "byzfl" in row else ""
         ms, floors = row["seconds"] * 1e3, row["seconds"] / floor
-        print(f"n={n:4d} d={d:9.0e} {name:20s} {ms:9.2f} ms {floors:7.1f}F{speed}", flush=True)
+        print(f"n={n:4d} d={d:9.0e} {kind} {name:20s} {ms:9.2f} ms {floors:7.1f}F{speed}", flush=True)
         rows.append(row)
     return rows
 
@@ -129,18 +141,19 @@ def write(rows: list[dict], gpu: str, out: Path, command: str, notes=(), version
         f"{gpu}; {versions}. Command: `{command}`.",
         "",
         *[line for note in notes for line in (note, "")],
-        "| n | d | rule | ms | floors | ByzFL ms | speed-up | goal |",
-        "|---:|---:|---|---:|---:|---:|---:|---|",
+        "| n | d | dtype | rule | ms | floors | ByzFL ms | speed-up | goal |",
+        "|---:|---:|---|---|---:|---:|---:|---:|---|",
     ]
     for row in rows:
+        shape = f"| {row['n']} | {row['d']:.0e} | {row.get('dtype', 'float32')} | {row['rule']} |"
         if "error" in row:
-            lines.append(f"| {row['n']} | {row['d']:.0e} | {row['rule']} | {row['error']} | | | | fails |")
+            lines.append(f"{shape} {row['error']} | | | | fails |")
             continue
         ours = row.get("matched", row["seconds"])
         byzfl = f"{row['byzfl'] * 1e3:.2f}" if "byzfl" in row else ""
         speed = f"{row['byzfl'] / ours:.1f}x" if "byzfl" in row else ""
-        lines.append(f"| {row['n']} | {row['d']:.0e} | {row['rule']} | {row['seconds'] * 1e3:.2f} | "
-                     f"{row['seconds'] / row['floor']:.1f} | {byzfl} | {speed} | {goal(row)} |")  # fmt: skip
+        lines.append(f"{shape} {row['seconds'] * 1e3:.2f} | {row['seconds'] / row['floor']:.1f} | {byzfl} | "
+                     f"{speed} | {goal(row)} |")  # fmt: skip
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     payload = {"gpu": gpu, "versions": versions, "command": command, "notes": list(notes), "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
@@ -151,21 +164,23 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--n", type=int, nargs="+", default=[10, 100])
     parser.add_argument("--d", type=float, nargs="+", default=[1e6, 1e7])
+    parser.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "float64"])
     parser.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES), metavar="RULE")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA device; torch sees none here", file=sys.stderr)
         raise SystemExit(2)
-    device = torch.device(args.device)
-    gpu = torch.cuda.get_device_name(device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{device.type} (no GPU)"
     rows = []
-    for n in args.n:
-        for d in args.d:
-            rows += bench(n, int(d), device, args.rules, args.repeat)
-            # after every shape, so a run stopped early keeps the shapes it finished
-            write(rows, gpu, args.out, "python benchmarks/gpu.py " + " ".join(sys.argv[1:]))
+    for dtype in args.dtype:
+        for n in args.n:
+            for d in args.d:
+                rows += bench(n, int(d), device, args.rules, args.repeat, getattr(torch, dtype))
+                # after every shape, so a run stopped early keeps the shapes it finished
+                write(rows, gpu, args.out, "python benchmarks/gpu.py " + " ".join(sys.argv[1:]))
     print(f"wrote {args.out.with_suffix('.md')}")
 
 

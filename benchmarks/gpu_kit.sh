@@ -16,7 +16,9 @@
 #         quick (default)  tests/test_cuda.py, gpu_rank_windows.py, gpu.py for 9 rules at 100 x 1e7
 #         full             tests/test_cuda.py, gpu_rank_windows.py, gpu.py (every rule and shape), and
 #                          simulation.py --data fashion_mnist --models cnn --device cuda --flower-devices cpu cuda
-#         STEP[,STEP...]   any of tests windows gpu-quick gpu sim, run in the order given (e.g. `run gpu,sim`)
+#         STEP[,STEP...]   any of tests windows gpu-quick gpu routing sim, run in the order given (e.g.
+#                          `run gpu,sim`); routing: the order statistics at the clients where the kernels
+#                          hand over (10-100, float32 and float64), gpu.py --out $OUT/gpu_routing
 #       Each step runs under `timeout`, all of them within GPUKIT_BUDGET seconds (default 560, inside the
 #       tool's 600); each prints its exit status and seconds; a step the budget cannot hold is skipped
 #       and named at the end. The benchmarks write after every shape or row, so a step cut short keeps what
@@ -259,7 +261,7 @@ run() {
         *) steps=$(echo "$mode" | tr ',' ' ');;
     esac
     for s in $steps; do
-        case "$s" in tests|windows|gpu-quick|gpu|sim) ;; *) die "unknown step $s (tests windows gpu-quick gpu sim)";; esac
+        case "$s" in tests|windows|gpu-quick|gpu|routing|sim) ;; *) die "unknown step $s (tests windows gpu-quick gpu routing sim)";; esac
     done
     OUT=${OUT:-/tmp/gpukit-out}
     mkdir -p "$OUT"
@@ -350,6 +352,8 @@ print("flwr", flwr.__version__, "| ray", ray.__version__)'; then
             windows) step windows 180 $PY benchmarks/gpu_rank_windows.py --out "$OUT/gpu_rank_windows.json";;
             gpu-quick) step gpu-quick 150 $PY benchmarks/gpu.py --n 100 --d 1e7 --rules $rules --out "$OUT/gpu";;
             gpu) step gpu 330 $PY benchmarks/gpu.py --out "$OUT/gpu";;
+            routing) step routing 300 $PY benchmarks/gpu.py --n 10 16 20 24 32 64 100 --d 1e6 1e7 \
+                         --dtype float32 float64 --rules median trimmed_mean bulyan --out "$OUT/gpu_routing";;
             sim) step sim 300 $PY benchmarks/simulation.py --data fashion_mnist --models ${SIM_MODELS:-cnn} \
                      --device cuda --flower-devices cpu cuda --out "$OUT/simulation_gpu";;
         esac

@@ -28,7 +28,7 @@ from gpu import timed as timed_seconds  # noqa: E402
 
 def timed(call) -> float:
     """Milliseconds: gpu.py's median of 5 synchronised calls after a warm-up."""
-    return timed_seconds(call, 5) * 1e3
+    return timed_seconds(call, 5, torch.device("cuda")) * 1e3
 
 
 #: (label, kernel, values per tile, warps) timed at every n; MORE_TILES also at the largest n

@@ -3,7 +3,8 @@
     manifest.json           the rule and strategy options, status (running: unfinished, with when and why
                             it stopped if the ServerApp raised; finished; failed), final metrics
     rounds.jsonl            one JSON record per finished round: trust per node (by name and node id),
-                            drops with reasons, quarantines, the round's metrics, the rule's diagnostics
+                            drops with reasons, quarantines, the round's metrics, the rule's diagnostics,
+                            ``error`` (why a round kept the model) or ``skipped`` (why no node trained)
     checkpoint.safetensors  the global model, the rule's state, the node names, after the newest round
 
 A restarted SuperLink that runs the ServerApp again with the same directory goes on from the checkpoint
