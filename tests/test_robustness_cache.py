@@ -89,3 +89,29 @@ def test_a_wrong_option_is_refused_before_anything_runs_or_is_cached(
     assert exc.value.code == 2
     assert named in capsys.readouterr().err
     assert not (tmp_path / "runs.jsonl").exists() or not rows(tmp_path)  # no failure cached as a result
+
+
+def test_compare_matches_two_sources_runs_and_names_those_that_moved():
+    """experiments/robustness/compare.py, which the README's "identical digit for digit" claims come from:
+    runs are matched by rule, attack, share and seed within one data set, and a run moved when its
+    accuracy, ASR or failure differs."""
+    spec = importlib.util.spec_from_file_location("robustness_compare", PATH.parent / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(PATH.parent))  # it imports run.py's REPORTS
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(PATH.parent))
+
+    def row(code, seed, accuracy, data="digits", asr=None):
+        return {"rule": "median", "attack": "ipm", "fraction": 0.4, "seed": seed, "data": data, "code": code,
+                "accuracy": accuracy, "backdoor_asr": asr, "failure": None}  # fmt: skip
+
+    rows = [row("a", 0, 0.5), row("b", 0, 0.5), row("a", 1, 0.5), row("b", 1, 0.6), row("a", 2, 0.7),
+            row("b", 0, 0.1, data="fashion_mnist"), row("a", 3, 0.2, asr=0.1), row("b", 3, 0.2, asr=0.3)]  # fmt: skip
+    shared, moved = module.compare(rows, "a", "b", "digits")
+    assert (
+        shared == 3
+    )  # seeds 0, 1 and 3; seed 2 only "a" computed, the Fashion-MNIST row is another data set
+    assert [(m[3], m[4], m[5]) for m in moved] == [(1, (0.5, None, None), (0.6, None, None)),
+                                                   (3, (0.2, 0.1, None), (0.2, 0.3, None))]  # fmt: skip
