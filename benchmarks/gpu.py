@@ -145,7 +145,7 @@ def write(rows: list[dict], gpu: str, out: Path, command: str, notes=(), version
         "|---:|---:|---|---|---:|---:|---:|---:|---|",
     ]
     for row in rows:
-        shape = f"| {row['n']} | {row['d']:.0e} | {row.get('dtype', 'float32')} | {row['rule']} |"
+        shape = f"| {row['n']} | {row['d']:.0e} | {row['dtype']} | {row['rule']} |"
         if "error" in row:
             lines.append(f"{shape} {row['error']} | | | | fails |")
             continue

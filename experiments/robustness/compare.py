@@ -7,10 +7,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from run import REPORTS
+from run import REPORTS, load_cache
 
 #: What a run's result is: a re-run agrees when all of these are equal
 RESULT = ("accuracy", "backdoor_asr", "failure")
@@ -39,8 +38,7 @@ def main() -> None:
     parser.add_argument("--data", default="digits", choices=["digits", "fashion_mnist"])
     parser.add_argument("--cache", type=Path, default=REPORTS / "runs.jsonl")
     args = parser.parse_args()
-    rows = [json.loads(line) for line in args.cache.read_text().splitlines() if line.strip()]
-    shared, moved = compare(rows, args.old, args.new, args.data)
+    shared, moved = compare(list(load_cache(args.cache).values()), args.old, args.new, args.data)
     if not shared:
         raise SystemExit(
             f"no run of {args.data} was computed by both {args.old} and {args.new} in {args.cache}"

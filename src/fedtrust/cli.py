@@ -50,12 +50,12 @@ def demo(
     from fedtrust import demo as demo_module
     from fedtrust.sim.settings import TrainSettings, resolve_device
     from fedtrust.sim.store import RunLocked
+    from fedtrust.sweeps.config import validator_reason
 
     try:
         resolve_device(TrainSettings(device=device).device)
     except ValidationError as exc:
-        reason = exc.errors()[0]["msg"].removeprefix("Value error, ")
-        raise _fail(f"--device: {reason}, got {device!r}") from None
+        raise _fail(f"--device: {validator_reason(exc.errors()[0])}, got {device!r}") from None
     except ValueError as exc:
         raise _fail(str(exc)) from None
     _need_folder("--out", out, "the demo's runs")

@@ -155,6 +155,11 @@ _SECTIONS: dict[tuple[str, ...], type[BaseModel]] = {
 }
 
 
+def validator_reason(error: dict) -> str:
+    """A pydantic error's message without the prefix pydantic puts before a validator's ValueError."""
+    return error["msg"].removeprefix("Value error, ")
+
+
 def _format(error: dict, where: str) -> str:
     loc = tuple(str(p) for p in error["loc"])
     path = ".".join(loc) or "(top level)"
@@ -162,7 +167,7 @@ def _format(error: dict, where: str) -> str:
         section = _SECTIONS.get(loc[:-1])
         valid = ", ".join(section.model_fields) if section else "?"
         return f"{where}{path}: unknown key {loc[-1]!r}; valid keys here: {valid}"
-    reason = error["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's ValueError
+    reason = validator_reason(error)
     if "got " in reason:  # the validator named the value itself
         return f"{where}{path}: {reason}"
     return f"{where}{path}: {reason} (got {error.get('input')!r})"
