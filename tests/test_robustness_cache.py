@@ -115,3 +115,18 @@ def test_compare_matches_two_sources_runs_and_names_those_that_moved():
     )  # seeds 0, 1 and 3; seed 2 only "a" computed, the Fashion-MNIST row is another data set
     assert [(m[3], m[4], m[5]) for m in moved] == [(1, (0.5, None, None), (0.6, None, None)),
                                                    (3, (0.2, 0.1, None), (0.2, 0.3, None))]  # fmt: skip
+
+
+def test_the_round_by_round_script_replays_the_tables_cell(robustness, capsys):
+    """experiments/robustness/rounds.py, which the README's round-by-round readings come from, runs the
+    table's own config: its last accuracy is the cell's, and mimic's copies (every attacker sends client
+    0's update) show as one group holding the 20 attackers and the client they copy."""
+    spec = importlib.util.spec_from_file_location("robustness_rounds", PATH.parent / "rounds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    lines = module.main(["--rule", "ivar_mle", "--attack", "mimic", "--fraction", "0.4", "--rounds", "2"])
+    assert capsys.readouterr().out.splitlines() == lines
+    assert [line.split(" | ")[0] for line in lines] == ["round   1", "round   2"]
+    assert all("groups (members, attackers) (21, 20)" in line for line in lines)
+    cell = robustness.run_one(robustness.config("digits", "softmax", "ivar_mle", "mimic", 0.4, 0, 2))
+    assert lines[-1].split(" | ")[3] == f"accuracy {cell['accuracy']:.4f}"

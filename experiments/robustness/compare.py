@@ -1,7 +1,8 @@
 """Two sources' cached runs side by side: which runs both computed, how many agree digit for digit
-(accuracy, backdoor ASR, failure), and the ones that moved. Reads ``reports/runs.jsonl``; computes nothing.
+(accuracy, backdoor ASR, failure), and the ones that moved. Reads ``reports/runs.jsonl`` (``--cache``: one or
+more run caches, e.g. a report folder's own beside the main one); computes nothing.
 
-    python experiments/robustness/compare.py 346c9fcf5006f90a 6e8ec2235896fb26 --data digits
+    python experiments/robustness/compare.py 6e8ec2235896fb26 eba22ed1c6eb6e65 --data digits
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ def main() -> None:
     parser.add_argument("old")
     parser.add_argument("new")
     parser.add_argument("--data", default="digits", choices=["digits", "fashion_mnist"])
-    parser.add_argument("--cache", type=Path, default=REPORTS / "runs.jsonl")
+    parser.add_argument("--cache", type=Path, nargs="+", default=[REPORTS / "runs.jsonl"])
     args = parser.parse_args()
-    shared, moved = compare(list(load_cache(args.cache).values()), args.old, args.new, args.data)
+    rows = [row for path in args.cache for row in load_cache(path).values()]
+    shared, moved = compare(rows, args.old, args.new, args.data)
     if not shared:
-        raise SystemExit(
-            f"no run of {args.data} was computed by both {args.old} and {args.new} in {args.cache}"
-        )
+        where = ", ".join(map(str, args.cache))
+        raise SystemExit(f"no run of {args.data} was computed by both {args.old} and {args.new} in {where}")
     print(f"{args.data}: {shared} runs computed by both; {shared - len(moved)} identical, {len(moved)} moved")
     for rule, attack, share, seed, before, after in moved:
         print(f"  {rule}, {attack} {share:.0%}, seed {seed}: {before} -> {after}")
