@@ -221,44 +221,6 @@ def test_a_minority_of_far_noise_does_not_make_honest_clients_look_like_copies(s
     assert float((median - common).abs().max()) < 0.2
 
 
-def test_a_coherent_minority_does_not_make_the_tightest_honest_clients_look_like_copies():
-    """Eight noisy copies of one far vector (40%) drag the coordinate-wise median to the honest clients'
-    0.83 quantile on their side of every coordinate, an offset as large as the loose honest clients'
-    spread: about the median the six tight honest clients' deviations share it and correlate above 0.95
-    (Fashion-MNIST's boosted backdoor made 15-20 honest clients one vote this way). About the mean of
-    the half nearest the median, which the far copies cannot enter, only the copies are one vote."""
-    g = torch.Generator().manual_seed(0)
-    d = 300
-    common = 0.3 * torch.randn(d, generator=g)
-    spread = torch.tensor([0.01] * 6 + [0.1] * 6)[:, None]
-    honest = common + spread * torch.randn(12, d, generator=g)
-    far = common + 0.9 * torch.randn(d, generator=g)
-    x = torch.cat([honest, far + 0.01 * torch.randn(8, d, generator=g)])
-    assert find_groups(x).members == (*((i,) for i in range(12)), tuple(range(12, 20)))
-
-    def correlations(centre):
-        r = torch.nn.functional.normalize(x[:6] - centre, dim=1)
-        return (r @ r.T)[~torch.eye(6, dtype=torch.bool)]
-
-    median = x.median(0).values
-    assert float(correlations(median).min()) > sybils.CORRELATION
-    nearest = (x - median).norm(dim=1).argsort()[:11]
-    assert bool((nearest < 12).all())  # the half nearest the median: honest clients only
-    assert float(correlations(x[nearest].mean(0)).max()) < 0.9
-
-
-def test_the_concentration_step_is_the_gram_matrix_about_the_nearest_halfs_mean():
-    """about_nearest_half needs no further pass: from the deviations' Gram matrix about a first centre it
-    gives the Gram matrix about the mean of the n // 2 + 1 rows nearest that centre."""
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(9, 50, generator=g, dtype=torch.float64) * torch.arange(1.0, 10.0)[:, None]
-    first = x.median(0).values
-    r = x - first
-    nearest = (r * r).sum(1).argsort()[:5]
-    about = x - x[nearest].mean(0)
-    torch.testing.assert_close(sybils.about_nearest_half(r @ r.T), about @ about.T)
-
-
 def test_correlated_groups_never_merge_half_the_round():
     """The honest majority is every rule's premise: a correlated component of half the clients or more is
     left apart (six noisy copies beside six honest clients), one of fewer is merged."""

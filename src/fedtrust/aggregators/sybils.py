@@ -32,19 +32,9 @@ independent noise e_i, deviate from any centre c by (t - c) + e_i, so their devi
 |t - c|^2 / (|t - c|^2 + |e|^2), near 1 whenever the noise is small beside the offset that makes the
 copies worth sending; that is eq 3's Phi with k nearly equal rows, which its GLS weights count as about
 one source. Honest clients' deviations are their own data's and their own sampling noise's, and do not.
-The centre starts at the coordinate-wise median of the groups (breakdown 1/2): a minority cannot drag it so
-far that the honest clients' deviations share one large offset and correlate (with the mean as centre,
-far-off noise from a large minority would). It can drag it some way: a minority of fraction e on one side
-of every coordinate moves the median to the honest clients' 1 / (2 (1 - e)) quantile there (0.83 at 40%),
-an offset as large as their own spread that the tightest honest clients' deviations then share. On
-Fashion-MNIST, 20 boosted backdoor attackers beside 30 honest clients (FOCUS, seed 0) made 15-20 honest
-clients one vote in rounds 16-24, and in rounds 29-30 the attackers' own correlation about the dragged
-median fell below the threshold: their group split and took 26% of the last round, backdoored (ASR
-1.00). So the centre is then moved to the mean of the half of the groups nearest the median (one
-concentration step, :func:`about_nearest_half`, computed from the Gram matrix about the median, no
-further pass): a half that a minority far off cannot enter. There no honest client shared a vote in
-more than groups of 6, the attackers were one vote from round 7 to 30, and the run ended at ASR 0.01.
-Groups whose deviations correlate above ``CORRELATION``
+The centre is the coordinate-wise median of the groups (breakdown 1/2): a minority cannot drag it so far
+that the honest clients' deviations share one large offset and correlate (with the mean as centre,
+far-off noise from a large minority would). Groups whose deviations correlate above ``CORRELATION``
 (connected components) share one vote when they hold fewer than half the round's clients; a larger
 component is left apart (the honest majority is what every rule here assumes). Without this an attacker
 who adds independent noise of 1e-6 times the honest spread to each copy gets its k votes back (digits,
@@ -85,7 +75,7 @@ RELATIVE = 0.0
 #: ... or at most this many units in the last place of the dtype per coordinate (relative to the
 #: larger of the two norms): copies that differ only by rounding.
 FLOOR_ULPS = 4
-#: Groups whose deviations from the round's centre correlate above this share one vote
+#: Groups whose deviations from the round's coordinate-wise median correlate above this share one vote
 #: (:func:`correlated_groups`). In the noisy-sybil review (digits, Dir(0.5), 50 clients, 30 rounds) the
 #: most correlated honest pair reached 0.93, and copies with independent noise of up to 0.1 times the
 #: honest spread 0.93 to 0.999 about the equal-vote mean.
@@ -369,27 +359,12 @@ def chance_links(count: int, d: int, threshold: float = CORRELATION) -> float:
     return count * (count - 1) / 2 * 0.5 * float(betainc((k - 1) / 2, 0.5, 1 - threshold * threshold))
 
 
-def about_nearest_half(gram: torch.Tensor) -> torch.Tensor:
-    """(n, n) the Gram matrix of the deviations r_i - m from m, the mean of the half of the rows nearest
-    their first centre, given ``gram`` (n, n) of their deviations r_i from that centre: one concentration
-    step (the C-step of Rousseeuw & Van Driessen's FAST-MCD, Technometrics 1999), from the matrix alone
-    (m - c = sum_j b_j r_j, b_j = 1/h over the h = n // 2 + 1 nearest, so r_i - (m - c) = ((I - 1 b') r)_i).
-    Ties in distance go to the earlier row."""
-    count = gram.shape[0]
-    nearest = torch.sort(gram.diagonal(), stable=True).indices[: count // 2 + 1]
-    b = torch.zeros(count, dtype=gram.dtype, device=gram.device)
-    b[nearest] = 1.0 / len(nearest)
-    p = torch.eye(count, dtype=gram.dtype, device=gram.device) - b[None, :]
-    return p @ gram @ p.T
-
-
 def correlated_groups(x: torch.Tensor, groups: Groups, threshold: float = CORRELATION) -> Groups:
     """``groups`` (a partition of the rows of ``x``, (n, d): the copies) with the groups whose deviations
-    from the round's centre correlate above ``threshold`` merged, where a component holds fewer than half
-    the n clients; the centre is the mean of the half of the groups' means nearest their coordinate-wise
-    median (:func:`about_nearest_half`; see the module docstring). One selection pass for the median and
-    one Gram pass over the groups' deviations from it (n^2 d products, on x's device), whose moments the
-    groups returned keep (``Groups.moments``, for their own representatives). Over so few coordinates
+    from the coordinate-wise median of the groups' means correlate above ``threshold`` merged, where a
+    component holds fewer than half the n clients; see the module docstring. One selection pass for the
+    median and one Gram pass over the groups' deviations (n^2 d products, on x's device), whose moments
+    the groups returned keep (``Groups.moments``, for their own representatives). Over so few coordinates
     that independent updates would correlate above ``threshold`` by chance (:func:`chance_links` above
     ``CHANCE_LINKS``) nothing is merged: the groups stay the copies."""
     count = groups.count
@@ -404,7 +379,6 @@ def correlated_groups(x: torch.Tensor, groups: Groups, threshold: float = CORREL
         return groups
     if chance_links(count, x.shape[1], threshold) > CHANCE_LINKS:
         return replace(groups, moments=moments)
-    g = about_nearest_half(g)
     spread = g.diagonal().sqrt()
     scale = spread[:, None] * spread[None, :]
     corr = torch.where(scale > 0, g / torch.where(scale > 0, scale, torch.ones_like(scale)), 0.0)
@@ -420,9 +394,9 @@ def correlated_groups(x: torch.Tensor, groups: Groups, threshold: float = CORREL
             weakest = min(float(corr[i, j]) for i, j in pairs if i in component)
             members.append(clients)
             merged[clients] = (
-                f"{len(clients)} updates share one vote: their deviations from the round's centre (the mean "
-                f"of the half nearest the coordinate-wise median) correlate (linked at {weakest:.3f} or "
-                f"more, above {threshold:g}), the information of about one source"
+                f"{len(clients)} updates share one vote: their deviations from the round's coordinate-wise "
+                f"median correlate (linked at {weakest:.3f} or more, above {threshold:g}), the information "
+                "of about one source"
             )
         else:
             members.extend(groups.members[k] for k in component)
