@@ -1,7 +1,7 @@
 """One cell of the robustness table, round by round: the attackers' share of each round's weight, the
 groups that shared a vote (how many members, how many of them attackers) and the model's accuracy and
-backdoor attack success rate after the round. Runs the config in-process (run.py's ``config``), caches
-nothing.
+backdoor attack success rate after the round. Runs the config in-process as run.py builds the table's
+cell (``config``, ``simulation``), caches nothing.
 
     python experiments/robustness/rounds.py --data fashion_mnist --rule focus --attack backdoor \\
         --fraction 0.4 --seed 0
@@ -49,14 +49,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args(argv)
-    import torch
-
-    from fedtrust.sweeps.config import validate
-    from fedtrust.sweeps.runner import _DatasetCache, build_simulation
-
-    torch.set_num_threads(1)  # as run.py's workers: the same numbers as the table's cell
     cfg = run.config(args.data, args.model, args.rule, args.attack, args.fraction, args.seed, args.rounds)
-    lines = [describe(r) for r in build_simulation(validate(cfg), _DatasetCache()).run()]
+    lines = [describe(r) for r in run.simulation(cfg).run()]  # built as the table's cell is
     print("\n".join(lines))
     return lines
 

@@ -129,8 +129,9 @@ def key(cfg: dict, code: str) -> str:
 _DATASETS = None
 
 
-def run_one(cfg: dict) -> dict:
-    """One run's final metrics (or its failure)."""
+def simulation(cfg: dict):
+    """The run's simulation, built as every cell's is: one thread (a worker process's share of the cores;
+    the thread count moves float results), the data sets loaded once per process."""
     global _DATASETS
     import torch
 
@@ -139,9 +140,14 @@ def run_one(cfg: dict) -> dict:
 
     torch.set_num_threads(1)
     _DATASETS = _DATASETS or _DatasetCache()
+    return build_simulation(validate(cfg), _DATASETS)
+
+
+def run_one(cfg: dict) -> dict:
+    """One run's final metrics (or its failure)."""
     began = time.perf_counter()
     try:
-        sim = build_simulation(validate(cfg), _DATASETS)
+        sim = simulation(cfg)
         records = sim.run()
     except Exception as exc:  # noqa: BLE001 - a crash is a result here
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - began}
