@@ -58,7 +58,7 @@ class FOCUS(BaseRule):
     (see :func:`credibility`). ``info``: per client credibility, E, LS and LL.
 
     sybils:    "share" (default): clients whose updates this round are near-duplicates, or whose deviations
-               from the round's median correlate above 0.95 (copies with noise added), are one source
+               from the round's centre correlate above 0.95 (copies with noise added), are one source
                (:mod:`fedtrust.aggregators.sybils`); "copies": near-duplicates only. Eq 6 normalises over
                sources, so k copies of one bad model would split the softmax mass that suppresses it and each
                keep a credibility of 1 - 1/k: identical updates would buy trust by their number. The group

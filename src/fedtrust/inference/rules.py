@@ -13,7 +13,8 @@ read agreement as reliability, so k identical updates would buy the trust of k i
 perfectly. Their own model says k perfectly correlated sources carry the information of one (eq 3's GLS
 weights with k equal rows of Phi), as FoolsGold's similarity discount does (Fung, Yoon, Beschastnikh, RAID
 2020). So each round's near-duplicate updates are grouped, and so are groups whose deviations from the round's
-median correlate above 0.95 (copies with independent noise added:
+robust centre correlate above 0.95, as copies with independent noise added do (the coordinate-wise median, and
+where groups correlate about it, the median of the sources so found:
 :func:`~fedtrust.aggregators.sybils.correlated_groups`; ``sybils="copies"`` groups exact copies only); the
 estimator runs on one representative per group (the group's mean) and the representative's coefficient is
 split evenly among the members; ``info["groups"]`` lists the groups and why. The window state stays keyed by

@@ -183,11 +183,11 @@ def _shared_votes(runs: list[Run]) -> list[str]:
     head = [
         "## Copies and degenerate rounds",
         "",
-        "Clients whose updates are copies (identical, near-identical, or deviating from the round's median "
-        f"in correlation above {CORRELATION:g}: sybils, colluders, clients that share one data distribution) "
-        "share one "
-        "vote in the rules that read agreement as reliability; each round lists its groups and why in "
-        "`info.groups` in the run's rounds.jsonl, and a degenerate round its reason in `info.degenerate`.",
+        "Clients whose updates are copies (identical, near-identical, or deviating from the round's robust "
+        f"centre in correlation above {CORRELATION:g}: sybils, colluders, clients that share one data "
+        "distribution) share one vote in the rules that read agreement as reliability; each round lists its "
+        "groups and why in `info.groups` in the run's rounds.jsonl, and a degenerate round its reason in "
+        "`info.degenerate`.",
         "",
     ]
     return head + lines + [""]
