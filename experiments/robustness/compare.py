@@ -2,7 +2,7 @@
 (accuracy, backdoor ASR, failure), and the ones that moved. Reads ``reports/runs.jsonl`` (``--cache``: one or
 more run caches, e.g. a report folder's own beside the main one); computes nothing.
 
-    python experiments/robustness/compare.py 6e8ec2235896fb26 eba22ed1c6eb6e65 --data digits
+    python experiments/robustness/compare.py 6e8ec2235896fb26 13ccdf38f776e476 --data digits
 """
 
 from __future__ import annotations
