@@ -13,9 +13,9 @@ run, computed by whatever source its manifest names). Used for the ARFL tables' 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from fedtrust.sim.store import RunStore
 from fedtrust.sweeps.config import expand, load
 from fedtrust.sweeps.runner import config_hash
 
@@ -29,15 +29,15 @@ def main() -> None:
     place = {label: (i, config_hash(cfg)) for i, (label, cfg) in enumerate(runs)}
     moved = 0
     for path in sorted(args.runs.glob("*/manifest.json")):
-        manifest = json.loads(path.read_text())
+        store = RunStore(path.parent)  # its checked reader and atomic writer
+        manifest = store.manifest()
         if manifest["run"] not in place:
             raise SystemExit(f"{path}: run {manifest['run']!r} is not in {args.config}'s sweep")
         index, expected = place[manifest["run"]]
         if manifest["config_hash"] != expected:
             raise SystemExit(f"{path}: its config differs from {args.config}'s run of that name")
         if (manifest["index"], manifest["sweep_size"]) != (index, len(runs)):
-            manifest["index"], manifest["sweep_size"] = index, len(runs)
-            path.write_text(json.dumps(manifest, indent=1))
+            store.update_manifest(index=index, sweep_size=len(runs))
             moved += 1
     print(f"{moved} manifests given the full config's place ({len(runs)} runs in its sweep)")
 
