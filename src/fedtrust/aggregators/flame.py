@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from sklearn.cluster import HDBSCAN
 
 from fedtrust._checks import check_float, check_seed
 from fedtrust.aggregators.base import BaseRule
@@ -32,6 +31,10 @@ def majority_cluster(dist: torch.Tensor) -> torch.Tensor:
     at most one cluster can hold more than half the clients, and points HDBSCAN labels noise are left
     out. Fewer than 3 clients: all of them (there is no majority to find among two, and HDBSCAN needs
     clusters of at least 2)."""
+    # imported here: scikit-learn takes ~1.6 s to import, which every `import fedtrust` paid (each CLI
+    # call, each Flower ClientApp process, one per message) whether or not it ran FLAME
+    from sklearn.cluster import HDBSCAN
+
     n = dist.shape[0]
     if n < 3:
         return torch.ones(n, dtype=torch.bool, device=dist.device)
