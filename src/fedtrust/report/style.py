@@ -141,5 +141,8 @@ def save(fig, path: str | Path, formats=FORMATS) -> Path:
     written = [path.with_suffix(f".{fmt}") for fmt in formats]
     for target in written:
         fig.savefig(target)
+        # the first save placed the panels (constrained layout: most of a many-panel figure's time); the
+        # other formats keep that placement rather than compute it again
+        fig.set_layout_engine("none")
     plt.close(fig)
     return written[0]
