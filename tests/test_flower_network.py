@@ -3,7 +3,6 @@ submitted with ``flwr run``. One node trains on random labels; the trust rule mu
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -88,11 +87,15 @@ class Federation(Processes):
         assert not self.stop(), self.alive()
 
 
-def check_run(run: Run, federation: Federation, rounds: int = 3) -> None:
-    """The model learned despite the bad node, which got the least trust, under its partition's name."""
+def learned(run: Run, rounds: int) -> None:
+    """Every round ran and the model learned despite the bad node."""
     assert run.status == "finished" and [r["round"] for r in run.rounds] == list(range(1, rounds + 1))
     first, last = run.manifest["initial_metrics"]["accuracy"], run.final()
     assert last > first + 0.5 and last > 0.85, run.curve()
+
+
+def least_trusted(run: Run, federation: Federation) -> None:
+    """The bad node got the least trust in the last round, under its partition's name."""
     record = run.rounds[-1]
     trust = dict(zip(record["clients"], record["weights"], strict=True))
     assert sorted(record["node_ids"]) == sorted(federation.node_ids.values())
@@ -102,25 +105,13 @@ def check_run(run: Run, federation: Federation, rounds: int = 3) -> None:
     assert trust[bad] < 0.5 * min(w for node, w in trust.items() if node != bad), trust
 
 
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory):
-    if shutil.which("flower-superlink", path=str(BIN)) is None:
-        pytest.skip("flower-superlink is not installed next to this interpreter")
-    fed = Federation(tmp_path_factory.mktemp("federation"))
-    yield fed
-    fed.close()
-
-
-@pytest.mark.parametrize("rule", ["ivar_vb", "arfl"])
-def test_three_supernodes_learn_and_the_corrupted_node_gets_least_trust(federation, rule):
-    check_run(federation.run(rule), federation)
-
-
 def test_tls_supernode_authentication_and_a_superlink_restart(tmp_path):
     """The walkthrough of examples/flower/README.md: TLS, registered SuperNode keys (an unregistered
-    SuperNode is refused), the SuperLink's state in a database. Two rounds, then the SuperLink is
-    stopped and started again: the SuperNodes come back with their node ids, and the run goes on from
-    the server's checkpoint to round 3 with every node's history."""
+    SuperNode is refused), the SuperLink's state in a database. Two rounds of ARFL (a rule with state:
+    its client weights), then the SuperLink is stopped and started again: the SuperNodes come back with
+    their node ids, and the run goes on from the server's checkpoint to round 3 with every node's
+    history, where the node training on random labels has the least trust. (IVAR-VB finds that node in
+    Flower's simulation engine, below: the strategy is the same code on both.)"""
     fed = Federation(tmp_path, tls=True, auth=True)
     try:
         log = fed.start("intruder", ["flower-supernode", "--root-certificates", str(tmp_path / "certs" / "ca.crt"),
@@ -129,10 +120,12 @@ def test_tls_supernode_authentication_and_a_superlink_restart(tmp_path):
         intruder = fed.started.pop()[0]
         intruder.wait(timeout=60)
         assert "must be registered" in log.read_text()
-        check_run(fed.run("ivar_vb", rounds=2), fed, rounds=2)
+        learned(fed.run("arfl", rounds=2), rounds=2)
         fed.restart_superlink()
-        check_run(fed.run("ivar_vb", rounds=3), fed, rounds=3)
+        run = fed.run("arfl", rounds=3)
         assert "resuming after round 2" in fed.last_output
+        learned(run, rounds=3)
+        least_trusted(run, fed)
     finally:
         fed.close()
 
