@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from test_rule_properties import OPTIONS
 
 from fedtrust import Round, rule
 
@@ -33,8 +34,8 @@ STATEFUL = [
 
 
 #: ICOV-MLE climbs three of these six rounds' flat likelihoods to its iteration limit (50 x 20 quasi-Newton
-#: steps: 9 s for the test); its state round-trips the same at 10 x 5
-FEWER = {"icov_mle": {"max_iter": 10, "steps": 5}}
+#: steps: 9 s for the test); its state round-trips the same at the property tests' 10 x 5
+FEWER = {"icov_mle": OPTIONS["icov_mle"]}
 
 
 @pytest.mark.parametrize("name", STATEFUL)
