@@ -82,8 +82,15 @@ robustness: $(STAMP)
 
 # Fashion-MNIST from Debian (needs root): the experiments that name it refuse to run without it, saying
 # how to get it.
+# Fashion-MNIST where the loader looks (FEDTRUST_FASHION_MNIST, Debian's package, ~/.fedtrust), else
+# Debian's package (with sudo when not root); elsewhere put the IDX files in one of those folders.
 fashion-mnist:
-	test -d /usr/share/datasets/fashion-mnist || (apt-get update && apt-get install -y dataset-fashion-mnist)
+	@for d in "$$FEDTRUST_FASHION_MNIST" /usr/share/datasets/fashion-mnist "$$HOME/.fedtrust/fashion-mnist"; do \
+		test -n "$$d" && test -d "$$d" && exit 0; done; \
+	sudo=; test "$$(id -u)" = 0 || sudo=sudo; \
+	($$sudo apt-get update && $$sudo apt-get install -y dataset-fashion-mnist) || { echo "fashion-mnist: \
+	Debian's dataset-fashion-mnist did not install; put Fashion-MNIST's IDX files in \
+	~/.fedtrust/fashion-mnist or name their folder in FEDTRUST_FASHION_MNIST" >&2; exit 1; }
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .

@@ -143,7 +143,7 @@ def _flat_entries(model: Any, layout: list[tuple[str, torch.Size]], where: str) 
 
 @dataclass(frozen=True, eq=False)
 class Round:
-    """What the server knows this round (see DESIGN.md, "The one core contract").
+    """What the server knows this round (docs/architecture.md, "The contract a rule implements").
 
     updates:      (n, d) floating tensor, one flat vector per reporting client (parameters or deltas).
                   float16/bfloat16 are computed in float32; float64 stays float64 (float8 is refused); a

@@ -1,6 +1,6 @@
 """Pre-aggregators: linear maps of a round's updates stacked in front of any rule, as ByzFL has them
-(DESIGN.md, "Composition over variants"), and :class:`PreAggregated`, a rule made of a list of them and
-an inner rule.
+(docs/architecture.md, "Attacks and pre-aggregators"), and :class:`PreAggregated`, a rule made of a
+list of them and an inner rule.
 
 A pre-aggregator takes the (n, d) updates (and how many clients the front door already quarantined) and
 returns ``(mixed, M)``: the (m, d) vectors the next stage sees and the (m, n) float64 mixing matrix with
