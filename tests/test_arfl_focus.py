@@ -107,6 +107,25 @@ def test_arfl_fresh_averages_a_round_with_its_own_losses():
     torch.testing.assert_close(paper(now).weights, out.weights)  # the default catches up a round later
 
 
+def test_a_client_whose_update_is_quarantined_is_forgotten_and_the_round_goes_on():
+    """Alpha spans every known client (Theorem 4.3), so a client that once reported a very low loss
+    holds all of it. When that client then crashes (its update NaN, quarantined at the front door), the
+    rule forgets its stored loss, as it forgets one whose loss cannot be measured, and the round's
+    healthy clients share the weight instead of the round being refused for all-zero weights."""
+    ids = list(range(6))
+    losses = [-5.0, 2.3, 2.3, 2.4, 2.2, 2.3]
+    arfl = rule("arfl")
+    arfl.observe(ids, [100] * 6, {"train_loss": losses})
+    x = 0.01 * torch.randn(6, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x[0] = float("nan")
+    for _ in range(2):
+        out = arfl(Round(updates=x, client_ids=ids, num_samples=[100] * 6, metrics={"train_loss": losses}))
+        assert set(out.info["quarantined"]) == {0} and out.weights[0] == 0
+        assert 0 not in arfl.state_dict()["loss"]
+        alpha, _ = arfl_weights(torch.tensor(losses[1:], dtype=torch.float64), torch.full((5,), 100.0), 500.0)
+        torch.testing.assert_close(out.weights[1:], alpha / alpha.sum())
+
+
 def focus_by_hand(ls, ll, n, alpha):
     """Eqs 3, 6 and 8 written out directly."""
     e = [a + b for a, b in zip(ls, ll, strict=True)]

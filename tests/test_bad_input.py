@@ -10,8 +10,10 @@ from conftest import dtype_tol
 from test_rule_properties import OPTIONS, Benchmark, make
 
 from fedtrust import NoValidUpdates, Round, available, rule
+from fedtrust.aggregators import RoundRefused
 from fedtrust.aggregators.screening import has_first_pass
 from fedtrust.rules import UnknownRuleError
+from fedtrust.server import server_step
 
 
 @pytest.mark.parametrize(
@@ -67,6 +69,7 @@ from fedtrust.rules import UnknownRuleError
             TypeError,
             r"client_ids must be str or int \(a rule keys its state and checkpoints by them\), got \('site', 1\)",
         ),
+        ({"updates": torch.zeros(2, 3), "client_ids": [None, 2]}, TypeError, r"got None \(NoneType\)"),
         (
             {"updates": torch.zeros(2, 3), "num_samples": [1, 2, 3]},
             ValueError,
@@ -242,6 +245,18 @@ def test_quarantined_clients_count_against_the_byzantine_budget():
     x[0, 0] = math.nan
     out = rule("krum", f=2)(Round(updates=x))
     assert out.info["f"] == 1 and 0 in out.info["quarantined"]
+
+
+def test_a_round_refused_after_the_quarantine_still_names_the_quarantined_clients():
+    """Krum with f = 2 on 5 clients, one of them NaN: the rest (4, f now 1) are too few, and the refusal
+    carries the front door's reason, so the server's record of the refused round names the client."""
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    x[0, 0] = math.nan
+    with pytest.raises(RoundRefused, match=r"needs n > 2f \+ 2 clients, got n=4 with f=1") as refused:
+        rule("krum", f=2)(Round(updates=x))
+    assert set(refused.value.quarantined) == {0}
+    step = server_step(rule("krum", f=2), Round(updates=x), torch.zeros(3), lambda a: a)
+    assert step.error.startswith("RoundRefused") and set(step.quarantined) == {"0"}
 
 
 def test_too_few_clients_for_f_is_a_clear_error():

@@ -151,7 +151,10 @@ class ARFL(BaseRule):
             for cid, loss in zip(ids, reported.tolist(), strict=True)
             if not math.isfinite(loss)
         }
-        for cid in unmeasured:
+        # a client the front door quarantined this round (a malformed update) is forgotten too: its stored
+        # loss vouched for an update the server could not use, and kept, a low one would hold the
+        # weight that alpha (over every known client) gives the round's clients, down to none at all
+        for cid in [*unmeasured, *round.quarantined]:
             self._loss.pop(cid, None)
             self._samples.pop(cid, None)
         new = {

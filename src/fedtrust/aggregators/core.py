@@ -280,8 +280,9 @@ class Round:
         ids = tuple(i.item() if isinstance(i, np.integer | np.str_) else i for i in ids)
         if len(ids) != n:
             raise ValueError(f"Round.client_ids must have one id per update ({n}), got {len(ids)}")
-        other = next((i for i in ids if isinstance(i, bool) or not isinstance(i, str | int)), None)
-        if other is not None:
+        others = [i for i in ids if isinstance(i, bool) or not isinstance(i, str | int)]
+        if others:  # (a list, not next(..., None): None is itself an id to refuse)
+            other = others[0]
             raise TypeError(
                 f"Round.client_ids must be str or int (a rule keys its state and checkpoints by them), got "
                 f"{other!r} ({type(other).__name__})"

@@ -15,7 +15,8 @@ The path of one call (``rule(round)``):
    are clean: if its norms (or its ``finite`` verdict) clear every update, ``rule.aggregate(round,
    first)`` and done;
 3. otherwise the round is screened from scratch, the malformed clients are removed (their reasons in
-   ``Round.quarantined``) and the rule runs on the rest (``first_pass`` again, on the rest);
+   ``Round.quarantined``) and the rule runs on the rest (``first_pass`` again, on the rest); where
+   the rule refuses the rest, its :class:`RoundRefused` names them too (``exc.quarantined``);
 4. the weights and per-client diagnostics are mapped back onto the round's clients.
 
 A first pass runs on data that may hold NaN or Inf: it does arithmetic only (no state change, no
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fedtrust.aggregators.core import Aggregate, NoValidUpdates, Round
+from fedtrust.aggregators.core import Aggregate, NoValidUpdates, Round, RoundRefused
 
 __all__ = ["FirstPass", "call_rule", "has_first_pass", "norm_limit", "screen"]
 
@@ -162,7 +163,11 @@ def call_rule(rule: Any, round: Round) -> Aggregate:
     if not keep:
         detail = "; ".join(f"{k!r}: {v}" for k, v in quarantined.items())
         raise NoValidUpdates(f"{rule.name}: all {round.n} clients were quarantined ({detail})", quarantined)
-    out = _aggregate(rule, round.select(keep, quarantined=quarantined), fused)
+    try:
+        out = _aggregate(rule, round.select(keep, quarantined=quarantined), fused)
+    except RoundRefused as exc:  # the rule refused the rest: the record still names who was set aside
+        exc.quarantined = {**quarantined, **getattr(exc, "quarantined", {})}
+        raise
     return _expand(out, round.n, keep, quarantined)
 
 
