@@ -218,6 +218,14 @@ def broken_manifest(tmp_path):
             lambda t: ["infer", str(_write(t / "e.csv", "a,,b\n1,2,3\n"))],
             r"e.csv, line 1: column 2 has no source name; name every source",
         ),
+        (
+            lambda t: ["infer", str(_write(t / "e.csv", "a,b\n1,2\n")), "--out", str(t / "e.csv")],
+            r"--out .*e.csv is the estimates file itself",
+        ),
+        (
+            lambda t: ["infer", str(_write(t / "e.csv", "a,b\n1,2\n")), "--out", str(t / "e.csv" / "c.csv")],
+            r"--out .*c.csv: the results could not be written",  # (a FileExistsError traceback)
+        ),
         (lambda t: ["report", str(broken_manifest(t))], r"unreadable: .*m/manifest.json is empty"),
         (
             lambda t: ["demo", "--out", str(_write(t / "f", "")), "--rounds", "1", "--seeds", "1"],

@@ -54,6 +54,10 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
             r"rule: krum: needs n > 2f \+ 2 clients, got n=10 with f=50; this config's rounds have 10 "
             r"\(data.clients 10\)$",
         ),
+        (  # FedAG's base rule's budget too
+            {"data": {"clients": 4}, "rule": {"name": "fedag", "base": "krum", "base_options": {"f": 3}}},
+            r"rule: krum: needs n > 2f \+ 2 clients, got n=4 with f=3; this config's rounds have 4",
+        ),
         (
             {"data": {"clients": 100}, "train": {"fraction": 0.2}, "rule": {"name": "bulyan", "f": 5}},
             r"rule: bulyan: needs n >= 4f \+ 3 clients, got n=20 with f=5; this config's rounds have 20 "

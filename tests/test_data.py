@@ -291,6 +291,28 @@ def test_label_corruptions_refuse_regression_targets():
         data_corruption("label_flip")(torch.zeros(3, 2), torch.zeros(3), None, G())
 
 
+@pytest.mark.parametrize(
+    "noise, message",
+    [
+        ("loud", r"noise must be a list of one level per party \(3\), got 'loud'"),  # (4 letters, 4 levels)
+        (-1, r"noise must be a list of one level per party \(3\), got -1"),
+        ([1, 2, "x"], r"noise\[2\] must be a number, got 'x'"),
+        ([1, 2, -1], r"noise\[2\] must be >= 0.0, got -1.0"),
+        ([1, 2, float("nan")], r"noise\[2\] must be finite, got nan"),
+    ],
+)
+def test_synthetic_linear_names_a_bad_noise_level(noise, message):
+    with pytest.raises((TypeError, ValueError), match="synthetic_linear: " + message):
+        synthetic_linear(parties=3, samples=10, dim=4, noise=noise)
+
+
+def test_a_stratified_split_that_cannot_hold_every_class_is_named_not_left_to_scikit_learn():
+    with pytest.raises(ValueError, match=r"test_fraction 0.999 of 1797 rows leaves 1 training and 1796 test"):
+        load_digits(test_fraction=0.999)
+    with pytest.raises(ValueError, match=r"at least one row of each of the 10 classes on each side"):
+        load_digits(test_fraction=0.001)
+
+
 def test_bad_loader_options_are_named_with_their_value(tmp_path):
     from fedtrust.models import build_model
 

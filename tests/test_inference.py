@@ -641,3 +641,13 @@ def test_ivar_vb_aggregates_its_posterior_mean_not_weights_times_updates():
     torch.testing.assert_close(out.vector, c @ x)
     torch.testing.assert_close(out.weights, c / c.sum())
     assert not torch.allclose(out.vector, out.weights @ x)
+
+
+def test_a_squarem_jump_out_of_icov_vbs_domain_is_not_taken():
+    """Two identical tasks from three sources: a SQUAREM extrapolation of ICOV-VB's state leaves a
+    Psi_j that is no longer positive definite. That jump is rejected like any other that leaves the
+    model's domain (the plain sweep goes on), where it used to end the fit with a LinAlgError."""
+    x = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]], dtype=torch.float64)
+    res = icov_vb(x, source_keys=["a", "b", "c"])
+    assert res.converged and torch.isfinite(res.consensus).all()
+    torch.testing.assert_close(res.weights.sum(1), torch.ones(2, dtype=torch.float64))

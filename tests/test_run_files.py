@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shlex
 import sys
 import textwrap
@@ -715,6 +716,41 @@ def test_the_report_leaves_out_an_unreadable_run_and_names_its_file(tmp_path):
 
     cell = write_report(tmp_path / "t").read_text().split("| centered_clipping | ")[1].split(" |")[0]
     assert cell.endswith("(1/2 unfinished)")  # one seed's number, and the cell says so
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda run: _as_folder(run / "manifest.json"), r"manifest.json cannot be read \(\[Errno 21\]"),
+        (lambda run: _as_folder(run / "rounds.jsonl"), r"rounds.jsonl cannot be read \(\[Errno 21\]"),
+        (lambda run: _edit_manifest(run, lambda m: m.pop("config")), r"its config gives no train.rounds"),
+    ],
+)
+def test_a_run_file_that_cannot_be_read_leaves_that_run_out_of_the_report_with_the_reason(
+    tmp_path, damage, reason
+):
+    """A manifest or round file that is a folder stopped the whole report ("could not be written: Is a
+    directory"); a finished run whose manifest lost its config was said to have "finished None" rounds."""
+    from fedtrust.report import write_report
+    from fedtrust.report.results import load_runs
+
+    run_experiment(config(train__rounds=1, sweep={"seed": [0, 1]}), tmp_path, progress=False)
+    damage(tmp_path / "t" / "seed=1")
+    statuses = {r.directory.name: r for r in load_runs(tmp_path / "t")}
+    assert statuses["seed=0"].status == "finished" and statuses["seed=1"].status == "unreadable"
+    assert re.search(reason, statuses["seed=1"].reason)
+    assert "seed=1" in write_report(tmp_path / "t").read_text()
+
+
+def _as_folder(path):
+    path.unlink()
+    path.mkdir()
+
+
+def _edit_manifest(run, edit):
+    manifest = json.loads((run / "manifest.json").read_text())
+    edit(manifest)
+    (run / "manifest.json").write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize(

@@ -221,6 +221,7 @@ def infer(
     ),
 ) -> None:
     """Truth inference on a CSV of estimates: the consensus of each task and each source's reliability."""
+    import torch
     from rich.console import Console
     from rich.table import Table
 
@@ -230,6 +231,8 @@ def infer(
 
     if out.is_dir():
         raise _fail(f"--out {out} is a folder; give the consensus CSV's file name (e.g. {out}/consensus.csv)")
+    if out.exists() and estimates.exists() and out.resolve() == estimates.resolve():
+        raise _fail(f"--out {out} is the estimates file itself; writing there would overwrite the input")
     try:
         fn = lookup("method", METHODS, method)
         tasks, sources, x = read_estimates(estimates)
@@ -246,7 +249,13 @@ def infer(
     except (UnknownNameError, ValueError, FileNotFoundError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    consensus_path, sources_path = write_results(out, tasks, sources, result)
+    except (torch.linalg.LinAlgError, ArithmeticError) as exc:  # degenerate estimates (e.g. too few tasks)
+        shape = f"{len(tasks)} tasks, {len(sources)} sources"
+        raise _fail(f"{method} broke down on {estimates} ({shape}): {exc}") from None
+    try:
+        consensus_path, sources_path = write_results(out, tasks, sources, result)
+    except OSError as exc:
+        raise _fail(f"--out {out}: the results could not be written ({exc})") from None
     table = Table(
         title=f"{method}: {len(tasks)} tasks, {len(sources)} sources, {result.iterations} iterations"
     )

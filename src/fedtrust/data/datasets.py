@@ -15,6 +15,7 @@ import math
 import os
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -115,6 +116,14 @@ def _split(n: int, test_fraction: float, seed: int, stratify: np.ndarray | None 
         raise ValueError("data: test_fraction must be < 1 (it would leave no training rows), got 1.0")
     if math.ceil(test_fraction * n) >= n:  # scikit-learn's count of test rows
         raise ValueError(f"data: test_fraction {test_fraction} of {n} rows leaves no training rows")
+    if stratify is not None:  # a stratified split puts every class on both sides
+        classes, test = len(np.unique(stratify)), math.ceil(test_fraction * n)
+        if min(test, n - test) < classes:
+            raise ValueError(
+                f"data: test_fraction {test_fraction} of {n} rows leaves {n - test} training and {test} test "
+                f"rows; the split is stratified and needs at least one row of each of the {classes} classes "
+                "on each side"
+            )
     idx = np.arange(n)
     return train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=stratify)
 
@@ -377,8 +386,13 @@ def synthetic_linear(
         check_int(f"synthetic_linear: {field}", value, minimum=least)
     if noise is None:
         noise = np.linspace(0.5, 4.0, parties).tolist()
+    if isinstance(noise, str | bytes) or not isinstance(noise, Sequence):
+        raise TypeError(
+            f"synthetic_linear: noise must be a list of one level per party ({parties}), got {noise!r}"
+        )
     if len(noise) != parties:
         raise ValueError(f"synthetic_linear: noise needs one level per party ({parties}), got {len(noise)}")
+    noise = [check_float(f"synthetic_linear: noise[{j}]", v, minimum=0.0) for j, v in enumerate(noise)]
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"synthetic_linear: overlap must be in [0, 1], got {overlap}")
     rng = np.random.default_rng(seed)

@@ -116,7 +116,9 @@ def _squarem(
                 done += 1
                 try:
                     tried = update(candidate)
-                except ArithmeticError:  # the jump left the model's domain (a variance at 0): not taken
+                # the jump left the model's domain (a variance at 0, a covariance no longer positive
+                # definite): not taken
+                except (ArithmeticError, torch.linalg.LinAlgError):
                     tried = None
                 if (
                     tried is not None

@@ -45,6 +45,9 @@ class FedAG(BaseRule):
     def requires(self) -> tuple[str, ...]:  # whatever the base rule reads
         return self._base.requires
 
+    def check_clients(self, n: int) -> None:  # the base rule's Byzantine budget
+        self._base.check_clients(n)
+
     def first_pass(self, round: Round) -> FirstPass:  # the base rule's, or the norms alone
         if has_first_pass(self._base):
             return self._base.first_pass(round)

@@ -281,7 +281,11 @@ def load_runs(directory: str | Path) -> list[Run]:
         train = (manifest.get("config") or {}).get("train", {})
         expected = 1 if train.get("mode") == "one_round" else train.get("rounds")
         if problem is None and manifest.get("status") == "finished" and len(rounds) != expected:
-            problem = f"{store.rounds_path} has {len(rounds)} rounds but the run says it finished {expected}"
+            problem = (
+                f"{store.rounds_path} has {len(rounds)} rounds but the run says it finished {expected}"
+                if isinstance(expected, int)
+                else f"{path} says the run finished but its config gives no train.rounds"
+            )
         runs.append(Run(path.parent, manifest, rounds, problem))
     runs.sort(key=lambda r: (r.manifest.get("experiment", ""), r.manifest.get("index", 0)))  # sweep order
     first: dict[str, Run] = {}

@@ -221,7 +221,10 @@ class RunStore:
         """The manifest, or None before the run's first write; raises CorruptFileError when unreadable."""
         if not self.manifest_path.exists():
             return None
-        text = self.manifest_path.read_text()
+        try:
+            text = self.manifest_path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:  # a folder of that name, no permission, binary bytes
+            raise CorruptFileError(f"{self.manifest_path} cannot be read ({exc}); {START_OVER}") from None
         try:
             manifest = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -269,7 +272,10 @@ class RunStore:
         file and the line."""
         if not self.rounds_path.exists():
             return [], None
-        lines = self.rounds_path.read_bytes().split(b"\n")
+        try:
+            lines = self.rounds_path.read_bytes().split(b"\n")
+        except OSError as exc:  # a folder of that name, no permission
+            return [], f"{self.rounds_path} cannot be read ({exc})"
         torn = lines.pop() != b""  # the text after the last newline: a line a crash cut short
         records: list[dict[str, Any]] = []
         for number, line in enumerate(lines, start=1):
