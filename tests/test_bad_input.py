@@ -70,6 +70,16 @@ from fedtrust.server import server_step
             r"client_ids must be str or int \(a rule keys its state and checkpoints by them\), got \('site', 1\)",
         ),
         ({"updates": torch.zeros(2, 3), "client_ids": [None, 2]}, TypeError, r"got None \(NoneType\)"),
+        (  # a table of six counts for six clients is not read row by row
+            {"updates": torch.zeros(6, 3), "num_samples": torch.ones(2, 3)},
+            ValueError,
+            r"^Round.num_samples must be one value per client, got shape \(2, 3\)$",
+        ),
+        (
+            {"updates": torch.zeros(6, 3), "metrics": {"train_loss": torch.ones(3, 2)}},
+            ValueError,
+            r"^Round.metrics\['train_loss'\] must be one value per client, got shape \(3, 2\)$",
+        ),
         (
             {"updates": torch.zeros(2, 3), "num_samples": [1, 2, 3]},
             ValueError,

@@ -67,6 +67,15 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.layout == torch.strided else t.to_dense()
 
 
+def _per_client(field_name: str, value: Any, device: torch.device) -> torch.Tensor:
+    """``value`` as a flat tensor of one value per client: a row or column of them, or any shape with one
+    axis longer than 1; a table (two or more such axes) is refused rather than read row by row."""
+    t = _as_tensor(field_name, value, device)
+    if sum(s != 1 for s in t.shape) > 1:
+        raise ValueError(f"{field_name} must be one value per client, got shape {tuple(t.shape)}")
+    return t.reshape(-1)
+
+
 def _as_tensor(field_name: str, value: Any, device: torch.device | None = None) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         t = _dense(value)
@@ -204,7 +213,7 @@ class Round:
         if self.num_samples is None:
             reported = torch.ones(n, dtype=x.dtype, device=x.device)
         else:
-            reported = _as_tensor("Round.num_samples", self.num_samples, x.device).reshape(-1)
+            reported = _per_client("Round.num_samples", self.num_samples, x.device)
             if reported.numel() != n:
                 raise ValueError(
                     f"Round.num_samples must have one entry per client ({n}), got {reported.numel()}"
@@ -218,7 +227,7 @@ class Round:
             )
         metrics = {}
         for name, value in self.metrics.items():
-            m = _as_tensor(f"Round.metrics[{name!r}]", value, x.device).to(x.dtype).reshape(-1)
+            m = _per_client(f"Round.metrics[{name!r}]", value, x.device).to(x.dtype)
             if m.numel() != n:
                 raise ValueError(
                     f"Round.metrics[{name!r}] must have one value per client ({n}), got {m.numel()}"
