@@ -219,6 +219,14 @@ def broken_manifest(tmp_path):
             r"e.csv, line 1: column 2 has no source name; name every source",
         ),
         (
+            lambda t: ["infer", str(_write(t / "e.csv", "task,a,b,c\nt0,1,2,\nt1,2,3,\n"))],
+            r"e.csv: source 'c' has no estimate \(every cell of its column is blank\); drop its column",
+        ),
+        (
+            lambda t: ["infer", str(_write(t / "e.csv", "task,a,b\nt0,1,2\nt0,2,3\n"))],
+            r"e.csv, line 3: task 't0' is also on line 2; each task needs its own id",
+        ),
+        (
             lambda t: ["infer", str(_write(t / "e.csv", "a,b\n1,2\n")), "--out", str(t / "e.csv")],
             r"--out .*e.csv is the estimates file itself",
         ),

@@ -56,7 +56,7 @@ def read_estimates(path: str | Path) -> tuple[list[str], list[str], torch.Tensor
                 "source needs its own name (its results are written by name)"
             )
         seen[source] = k
-    tasks, values = [], []
+    tasks, values, task_line = [], [], {}
     for k, (n, row) in enumerate(zip(lines[1:], rows[1:], strict=True)):
         cells = row[1:] if has_ids else row
         if len(cells) > len(sources):
@@ -68,9 +68,23 @@ def read_estimates(path: str | Path) -> tuple[list[str], list[str], torch.Tensor
         for source, cell in zip(sources, cells, strict=True):
             cell = cell.strip()
             parsed.append(_value(cell, f"{path}, line {n}, source {source!r}"))
-        tasks.append(row[0].strip() if has_ids else str(k))
+        task = row[0].strip() if has_ids else str(k)
+        if task in task_line:
+            raise ValueError(
+                f"{path}, line {n}: task {task!r} is also on line {task_line[task]}; each task needs its own "
+                "id (its consensus is written by id)"
+            )
+        task_line[task] = n
+        tasks.append(task)
         values.append(parsed)
-    return tasks, sources, torch.tensor(values, dtype=torch.float64)
+    x = torch.tensor(values, dtype=torch.float64)
+    empty = [s for s, column in zip(sources, x.isnan().all(0).tolist(), strict=True) if column]
+    if empty:
+        raise ValueError(
+            f"{path}: source {empty[0]!r} has no estimate (every cell of its column is blank); drop its "
+            "column, since nothing can be said of its reliability"
+        )
+    return tasks, sources, x
 
 
 def _value(cell: str, where: str) -> float:
