@@ -80,10 +80,9 @@ fedag: $(STAMP)
 robustness: $(STAMP)
 	$(BIN)/python experiments/robustness/run.py --data digits --seeds 3 --out $(call reports,robustness)
 
-# Fashion-MNIST from Debian (needs root): the experiments that name it refuse to run without it, saying
-# how to get it.
-# Fashion-MNIST where the loader looks (FEDTRUST_FASHION_MNIST, Debian's package, ~/.fedtrust), else
-# Debian's package (with sudo when not root); elsewhere put the IDX files in one of those folders.
+# Fashion-MNIST for the experiments that name it: found where the loader looks (FEDTRUST_FASHION_MNIST,
+# Debian's package, ~/.fedtrust/fashion-mnist), else Debian's dataset-fashion-mnist is installed (with
+# sudo when not root); elsewhere put the IDX files in one of those folders.
 fashion-mnist:
 	@for d in "$$FEDTRUST_FASHION_MNIST" /usr/share/datasets/fashion-mnist "$$HOME/.fedtrust/fashion-mnist"; do \
 		test -n "$$d" && test -d "$$d" && exit 0; done; \

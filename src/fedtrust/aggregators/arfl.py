@@ -71,7 +71,9 @@ class ARFL(BaseRule):
              at the loss of the client's own update on the server's trusted split (Round.reference),
              which a liar cannot fake.
 
-    ``observe`` takes the losses of all clients at the initial model (Algorithm 1, line 1).
+    ``observe`` takes the losses of all clients at the initial model (Algorithm 1, line 1). A client whose
+    update the front door quarantines, or whose update's benchmark loss is not finite, is forgotten until
+    its next report: a stored loss must not hold weight for an update the server could not use.
     ``info``: p, the objective (eq 6), lambda, and per client alpha and the loss used.
 
     Identical updates buy no trust here, so ARFL has no ``sybils`` option (unlike IVAR/ICOV and FOCUS,
