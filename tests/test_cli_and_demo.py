@@ -219,6 +219,10 @@ def broken_manifest(tmp_path):
             r"e.csv, line 1: column 2 has no source name; name every source",
         ),
         (
+            lambda t: ["infer", str(_write(t / "e.csv", "a,b\n1,2\n")), "--latent-dim", "3"],
+            r"--latent-dim 3 is ICOV's rank of shared errors; ivar_vb has none",  # (it was ignored)
+        ),
+        (
             lambda t: ["infer", str(_write(t / "e.csv", "task,a,b,c\nt0,1,2,\nt1,2,3,\n"))],
             r"e.csv: source 'c' has no estimate \(every cell of its column is blank\); drop its column",
         ),

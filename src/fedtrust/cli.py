@@ -204,7 +204,7 @@ def infer(
     out: Path = typer.Option(
         Path("consensus.csv"), help="Consensus per task; per-source results go beside it."
     ),
-    latent_dim: int = typer.Option(2, min=1, help="Latent dimension D (ICOV)."),
+    latent_dim: int | None = typer.Option(None, min=1, help="Latent dimension D (ICOV only; default 2)."),
     max_iter: int | None = typer.Option(
         None,
         "--max-iter",
@@ -235,6 +235,8 @@ def infer(
         raise _fail(f"--out {out} is the estimates file itself; writing there would overwrite the input")
     try:
         fn = lookup("method", METHODS, method)
+        if latent_dim is not None and not method.startswith("icov"):
+            raise ValueError(f"--latent-dim {latent_dim} is ICOV's rank of shared errors; {method} has none")
         tasks, sources, x = read_estimates(estimates)
         if len(sources) < 2:
             named = f"one source ({sources[0]!r})" if sources else "no source columns"
@@ -242,7 +244,7 @@ def infer(
                 f"{estimates}: {named}; truth inference needs two or more, since with one nothing tells "
                 "its noise from the truths' own spread"
             )
-        options = {"latent_dim": latent_dim, "source_keys": sources} if method.startswith("icov") else {}
+        options = {"latent_dim": latent_dim or 2, "source_keys": sources} if method.startswith("icov") else {}
         if max_iter is not None or method.startswith("ivar"):
             options["max_iter"] = max_iter or IVAR_BUDGET
         result = fn(x, tol=tol, **options)
