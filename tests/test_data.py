@@ -306,6 +306,14 @@ def test_synthetic_linear_names_a_bad_noise_level(noise, message):
         synthetic_linear(parties=3, samples=10, dim=4, noise=noise)
 
 
+def test_synthetic_linear_takes_its_noise_levels_as_an_array_too():
+    as_list = synthetic_linear(parties=3, samples=10, dim=4, noise=[0.5, 1.0, 2.0])
+    for levels in (np.array([0.5, 1.0, 2.0]), torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)):
+        assert torch.equal(
+            synthetic_linear(parties=3, samples=10, dim=4, noise=levels).y_train, as_list.y_train
+        )
+
+
 def test_a_stratified_split_that_cannot_hold_every_class_is_named_not_left_to_scikit_learn():
     with pytest.raises(ValueError, match=r"test_fraction 0.999 of 1797 rows leaves 1 training and 1796 test"):
         load_digits(test_fraction=0.999)

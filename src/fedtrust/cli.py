@@ -244,7 +244,9 @@ def infer(
                 f"{estimates}: {named}; truth inference needs two or more, since with one nothing tells "
                 "its noise from the truths' own spread"
             )
-        options = {"latent_dim": latent_dim or 2, "source_keys": sources} if method.startswith("icov") else {}
+        options = {"source_keys": sources} if method.startswith("icov") else {}
+        if latent_dim is not None:
+            options["latent_dim"] = latent_dim
         if max_iter is not None or method.startswith("ivar"):
             options["max_iter"] = max_iter or IVAR_BUDGET
         result = fn(x, tol=tol, **options)

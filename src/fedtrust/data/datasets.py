@@ -114,10 +114,11 @@ def _split(n: int, test_fraction: float, seed: int, stratify: np.ndarray | None 
     check_float("data: test_fraction", test_fraction, minimum=0.0, maximum=1.0, strict_min=True)
     if test_fraction == 1.0:
         raise ValueError("data: test_fraction must be < 1 (it would leave no training rows), got 1.0")
-    if math.ceil(test_fraction * n) >= n:  # scikit-learn's count of test rows
+    test = math.ceil(test_fraction * n)  # scikit-learn's count of test rows
+    if test >= n:
         raise ValueError(f"data: test_fraction {test_fraction} of {n} rows leaves no training rows")
     if stratify is not None:  # a stratified split puts every class on both sides
-        classes, test = len(np.unique(stratify)), math.ceil(test_fraction * n)
+        classes = len(np.unique(stratify))
         if min(test, n - test) < classes:
             raise ValueError(
                 f"data: test_fraction {test_fraction} of {n} rows leaves {n - test} training and {test} test "
@@ -385,7 +386,9 @@ def synthetic_linear(
                                 ("test_samples", test_samples, 1), ("seed", seed, 0)):  # fmt: skip
         check_int(f"synthetic_linear: {field}", value, minimum=least)
     if noise is None:
-        noise = np.linspace(0.5, 4.0, parties).tolist()
+        noise = np.linspace(0.5, 4.0, parties)
+    if isinstance(noise, np.ndarray | torch.Tensor):
+        noise = noise.tolist()
     if isinstance(noise, str | bytes) or not isinstance(noise, Sequence):
         raise TypeError(
             f"synthetic_linear: noise must be a list of one level per party ({parties}), got {noise!r}"
