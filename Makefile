@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
+# The suite's files spread over up to 4 pytest-xdist workers, longest first (tests/conftest.py).
+PYTEST  = $(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 .PHONY: demo test test-cpus docs bench gpu-bench lint clean fashion-mnist ivar-icov collusion arfl fedag robustness
 
@@ -16,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/fedtrust demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(PYTEST)
 
 # API documentation from the docstrings (pdoc) in docs/api; the test suite checks that it builds cleanly.
 docs: $(STAMP)
@@ -25,8 +27,8 @@ docs: $(STAMP)
 # The suite on this CPU's own kernels, then as an old x86-64 CPU would run it (no AVX: PyTorch's default
 # kernels, MKL at SSE4.2, OpenBLAS's Prescott kernels): results must not hang on how rounding falls.
 test-cpus: $(STAMP)
-	env -u OPENBLAS_CORETYPE $(BIN)/python -m pytest
-	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OPENBLAS_CORETYPE=Prescott $(BIN)/python -m pytest
+	env -u OPENBLAS_CORETYPE $(PYTEST)
+	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OPENBLAS_CORETYPE=Prescott $(PYTEST)
 
 # Speed against the peers (benchmarks/README.md). ByzFL is installed for benchmarks only, without its
 # dependencies (its top-level import pulls torchvision; the benchmark loads its aggregators module).

@@ -12,7 +12,29 @@ settings.register_profile(
 settings.register_profile("thorough", max_examples=300, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# `make test` runs the suite in pytest-xdist's workers, one per core (at most 4): each takes its share of
+# the cores, so two workers on two cores do not fight over each other's threads.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
+
+# Where `make test` starts its workers, the longest file goes first and the Ray sweeps last, so that the
+# workers end together and the two seldom wait on each other's lock (below).
+FIRST, LAST = "test_flower_network.py", "test_parallel_sweeps.py"
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: (item.path.name != FIRST, item.path.name == LAST))
+
+
+@pytest.fixture
+def alone_with_its_processes(tmp_path_factory):
+    """For a test that starts Flower's or Ray's processes: no other such test runs meanwhile, in this
+    session's other workers (``make test`` runs pytest-xdist's), since some check that no Flower or Ray
+    process is left once they end, and another test's would be."""
+    from filelock import FileLock
+
+    with FileLock(tmp_path_factory.getbasetemp().parent / "fedtrust-processes.lock"):
+        yield
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("flwr")
+pytestmark = pytest.mark.usefixtures("alone_with_its_processes")
 
 from fedtrust.flower.credentials import supernode_keys, tls_certificates  # noqa: E402
 from fedtrust.flower.local import BIN, Processes, free_port  # noqa: E402

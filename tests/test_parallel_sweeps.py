@@ -48,6 +48,7 @@ def test_an_interrupted_parallel_sweep_resumes(serial, tmp_path):
     assert records(tmp_path) == records(out)
 
 
+@pytest.mark.usefixtures("alone_with_its_processes")
 def test_a_sweep_on_a_local_ray_instance(serial, tmp_path):
     ray = pytest.importorskip("ray")
     out, _ = serial
