@@ -211,6 +211,14 @@ def broken_manifest(tmp_path):
             r"e.csv: one source \('a'\); truth inference needs two or more",
         ),
         (
+            lambda t: ["infer", str(_write(t / "e.csv", "task,a,b,c\nt0,1,2,3\n"))],
+            r"e.csv: one task \('t0'\); each source's noise would be read from its one estimate",  # (8.6e7)
+        ),
+        (
+            lambda t: ["infer", str(_write(t / "e.csv", "a,b\n1_000,2\n"))],
+            r"line 2, source 'a': '1_000' is not a number",  # (Python's float read it as 1000)
+        ),
+        (
             lambda t: ["infer", str(_write(t / "e.csv", "task\nt0\nt1\n"))],
             r"e.csv: no source columns; truth inference needs two or more",
         ),
@@ -235,7 +243,12 @@ def broken_manifest(tmp_path):
             r"--out .*e.csv is the estimates file itself",
         ),
         (
-            lambda t: ["infer", str(_write(t / "e.csv", "a,b\n1,2\n")), "--out", str(t / "e.csv" / "c.csv")],
+            lambda t: [
+                "infer",
+                str(_write(t / "e.csv", "a,b\n1,2\n2,2\n")),
+                "--out",
+                str(t / "e.csv" / "c.csv"),
+            ],
             r"--out .*c.csv: the results could not be written",  # (a FileExistsError traceback)
         ),
         (lambda t: ["report", str(broken_manifest(t))], r"unreadable: .*m/manifest.json is empty"),

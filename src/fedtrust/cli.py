@@ -244,6 +244,11 @@ def infer(
                 f"{estimates}: {named}; truth inference needs two or more, since with one nothing tells "
                 "its noise from the truths' own spread"
             )
+        if len(tasks) < 2:
+            raise ValueError(
+                f"{estimates}: one task ({tasks[0]!r}); each source's noise would be read from its one "
+                "estimate, which cannot tell it from chance; give two or more tasks"
+            )
         options = {"source_keys": sources} if method.startswith("icov") else {}
         if latent_dim is not None:
             options["latent_dim"] = latent_dim

@@ -92,6 +92,8 @@ def _value(cell: str, where: str) -> float:
     if cell.lower() in _MISSING:
         return math.nan
     try:
+        if "_" in cell:  # Python's float reads 1_000 as 1000; no spreadsheet writes it
+            raise ValueError(cell)
         value = float(cell)
     except ValueError:
         raise ValueError(f"{where}: {cell!r} is not a number") from None
