@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
-# The suite's files spread over up to 4 pytest-xdist workers, longest first (tests/conftest.py).
-PYTEST  = $(BIN)/python -m pytest -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+# The suite's files spread over pytest-xdist workers, one per logical core (at most 4), longest file first
+# (tests/conftest.py).
+PYTEST  = $(BIN)/python -m pytest -n logical --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 .PHONY: demo test test-cpus docs bench gpu-bench lint clean fashion-mnist ivar-icov collusion arfl fedag robustness
 
