@@ -601,6 +601,13 @@ def test_bad_estimates_are_clear_errors():
         ivar_vb([[1.0, 2.0], [math.nan, math.nan]])
     with pytest.raises(ValueError, match=r"estimates\[0, 1\] is marked present but is not finite"):
         ivar_vb([[1.0, math.nan]], mask=[[True, True]])
+    for fn in (ivar_mle, ivar_vb, icov_mle, icov_vb):  # infinite is no estimate: it was read as missing
+        with pytest.raises(ValueError, match=r"estimates\[1, 0\] holds -inf: not an estimate; NaN marks"):
+            fn([[1.0, 2.0], [-math.inf, 2.5], [0.5, 1.0]])
+    with pytest.raises(ValueError, match=r"estimates\[0, 1\] holds inf"):  # one coordinate of K = 2
+        ivar_vb([[[1.0, 2.0], [3.0, math.inf]], [[1.0, 2.0], [3.0, 4.0]]])
+    masked = ivar_vb([[1.0, math.inf], [2.0, 2.5], [0.5, 1.0]], mask=[[True, False]] + [[True, True]] * 2)
+    assert bool(torch.isfinite(masked.consensus).all())  # an entry the mask leaves out may hold anything
     with pytest.raises(ValueError, match=r"must be \(tasks, sources\) or \(tasks, sources, K\)"):
         ivar_vb([1.0, 2.0])
 

@@ -43,7 +43,9 @@ class Tasks:
 
 def as_tasks(estimates, mask=None) -> Tasks:
     """Normalise user input: (I, J) or (I, J, K) numbers, NaN marking a missing entry unless ``mask``
-    (I, J) is given. Every task needs at least one source. A :class:`Tasks` passes through unchecked."""
+    (I, J) is given. An infinite value is refused (as ``fedtrust infer`` refuses it in a CSV): it is no
+    estimate, and reading it as missing would hide it. Every task needs at least one source. A
+    :class:`Tasks` passes through unchecked."""
     if isinstance(estimates, Tasks):
         return estimates
     x = torch.as_tensor(np.asarray(estimates) if not isinstance(estimates, torch.Tensor) else estimates)
@@ -66,6 +68,15 @@ def as_tasks(estimates, mask=None) -> Tasks:
     suspect = ~finite
     if suspect.any():  # check those entries exactly
         finite[suspect] = torch.isfinite(x[suspect]).all(-1)
+        if mask is None:  # with a mask, only an entry marked present must be finite (checked below)
+            infinite = torch.zeros_like(suspect)
+            infinite[suspect] = torch.isinf(x[suspect]).any(-1)
+            if infinite.any():
+                t, s = torch.nonzero(infinite)[0].tolist()
+                value = float(x[t, s][torch.isinf(x[t, s])][0])
+                raise ValueError(
+                    f"estimates[{t}, {s}] holds {value}: not an estimate; NaN marks a missing one"
+                )
         large = suspect & finite
         if large.any():
             t, s = torch.nonzero(large)[0].tolist()
