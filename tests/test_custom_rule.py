@@ -23,6 +23,7 @@ def example():
     RULES.update(before)
 
 
+@pytest.mark.usefixtures("alone_with_its_processes")  # its Flower simulation starts Ray
 def test_the_example_rule_runs_by_name_in_a_round_in_a_simulation_and_on_flower(example):
     out = example["main"](rounds=3, flower_rounds=3)
     assert out["one_round"].weights[5] == 0 and torch.allclose(

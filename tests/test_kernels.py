@@ -358,3 +358,28 @@ def test_bulyans_torch_path_shares_ties_as_the_cpu_path_does():
     torch.testing.assert_close(torch_path[0], cpu[0])
     torch.testing.assert_close(torch_path[1], cpu[1])
     assert torch_path[1][7] == torch_path[1][3]
+
+
+@pytest.mark.parametrize("name", ["median", "trimmed_mean", "mean", "fedavg", "geometric_median"])
+def test_a_rule_gives_the_same_result_on_one_thread_and_on_two(name):
+    """The order statistics' thread pool and the passes' batched products (one batch a thread) on two
+    threads give one thread's aggregate and weights: the pool's blocks and the batch's columns are each
+    computed as one thread computes them. (``make test`` runs one torch thread per worker on 2 cores,
+    so these paths run here, with the pool made again for the thread count.)"""
+    g = torch.Generator().manual_seed(5)
+    r = Round(updates=torch.randn(10, 300_000, generator=g), num_samples=torch.arange(1.0, 11.0))
+
+    def on(threads: int):
+        before = torch.get_num_threads()
+        rank_windows._pool.cache_clear()
+        torch.set_num_threads(threads)
+        try:
+            assert passes.batch_size(r.updates) == threads
+            return rule(name)(r)
+        finally:
+            torch.set_num_threads(before)
+            rank_windows._pool.cache_clear()
+
+    one, two = on(1), on(2)
+    assert len(column_blocks(r.updates, "select")) > 2
+    assert torch.equal(one.vector, two.vector) and torch.equal(one.weights, two.weights)
