@@ -296,6 +296,25 @@ def test_infer_that_stops_at_max_iter_warns_with_the_remedy_and_still_writes(tmp
     assert int(re.search(r"5 sources, (\d+) iterations", done.output).group(1)) > 200, done.output
 
 
+def test_infer_warns_of_a_source_with_one_estimate(tmp_path):
+    """A source that answered one task has its noise read from that one estimate: b below lies where the
+    consensus lands (noise 4e-8, reliability 2.5e7), so ``infer`` names it; a source with two says nothing."""
+    estimates = _write(tmp_path / "e.csv", "task,a,b,c\nt0,1,2,3\nt1,1.1,,2.0\nt2,0.9,,2.4\n")
+    done = runner.invoke(app, ["infer", str(estimates), "--out", str(tmp_path / "c.csv")])
+    assert done.exit_code == 0, done.output
+    assert re.search(r"warning: source 'b' gave one estimate; a noise read from one", done.stderr), (
+        done.stderr
+    )
+    assert "'a'" not in done.stderr and "'c'" not in done.stderr
+
+
+def test_infer_reads_a_header_of_dates_as_source_names(tmp_path):
+    """Python's float reads '2024_01' as 202401: the header was refused as a row of numbers."""
+    estimates = _write(tmp_path / "e.csv", "task,2024_01,2024_02\nt0,1,2\nt1,2,2\n")
+    done = runner.invoke(app, ["infer", str(estimates), "--out", str(tmp_path / "c.csv")])
+    assert done.exit_code == 0 and "2024_02" in done.stdout, done.output
+
+
 def test_a_second_demo_on_one_out_is_refused_and_leaves_the_first_ones_runs(tmp_path):
     """The demo starts afresh by deleting its folder: a second demo started while one ran deleted the
     first one's runs, and their locks, while they were being written (and printed a traceback when it met

@@ -281,6 +281,14 @@ def infer(
             f"{mean_weight:.3f}",
         )
     Console(width=120).print(table)
+    single = [s for s, c in zip(sources, (~x.isnan()).sum(0).tolist(), strict=True) if c == 1]
+    if single:
+        named = ", ".join(map(repr, single[:5])) + (f" and {len(single) - 5} more" if len(single) > 5 else "")
+        typer.echo(
+            f"warning: source{'s' * (len(single) > 1)} {named} gave one estimate; a noise read from one "
+            "estimate can be as small as its distance to the consensus, so that reliability says little",
+            err=True,
+        )
     if not result.converged:
         remedy = f"rerun with --max-iter {2 * result.iterations} or a looser --tol (e.g. 1e-10)"
         typer.echo(f"warning: {result.warning} ({remedy})", err=True)

@@ -38,7 +38,7 @@ def read_estimates(path: str | Path) -> tuple[list[str], list[str], torch.Tensor
         raise ValueError(f"{path}: needs a header row naming the sources and at least one task row")
     lines, rows = zip(*numbered, strict=True)
     header = [h.strip() for h in rows[0]]
-    if all(_is_number(h) for h in header if h):
+    if all(_number(h) is not None for h in header if h):
         raise ValueError(
             f"{path}, line {lines[0]}: the first row holds numbers, not source names; add a header row "
             "naming the sources (numbered sources: head a first column of task ids 'task')"
@@ -91,23 +91,23 @@ def _value(cell: str, where: str) -> float:
     """A cell's estimate: NaN for a blank (or nan / NA) cell, an error for text or an infinite value."""
     if cell.lower() in _MISSING:
         return math.nan
-    try:
-        if "_" in cell:  # Python's float reads 1_000 as 1000; no spreadsheet writes it
-            raise ValueError(cell)
-        value = float(cell)
-    except ValueError:
-        raise ValueError(f"{where}: {cell!r} is not a number") from None
+    value = _number(cell)
+    if value is None:
+        raise ValueError(f"{where}: {cell!r} is not a number")
     if not math.isfinite(value):
         raise ValueError(f"{where}: {cell!r} is not finite; leave the cell blank for a missing estimate")
     return value
 
 
-def _is_number(text: str) -> bool:
+def _number(text: str) -> float | None:
+    """``text`` as a number a spreadsheet writes, or None: Python's ``float`` also reads ``1_000`` as 1000
+    and other scripts' digits (``'１２'``), which no CSV means as numbers."""
+    if not text.isascii() or "_" in text:
+        return None
     try:
-        float(text)
+        return float(text)
     except ValueError:
-        return False
-    return True
+        return None
 
 
 def write_results(
