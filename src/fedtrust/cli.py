@@ -226,7 +226,7 @@ def infer(
     from rich.table import Table
 
     from fedtrust.inference import METHODS
-    from fedtrust.inference.csvio import read_estimates, write_results
+    from fedtrust.inference.csvio import answered, read_estimates, write_results
     from fedtrust.registry import UnknownNameError, lookup
 
     if out.is_dir():
@@ -270,10 +270,8 @@ def infer(
     )
     for col in ("source", "noise", "reliability", "mean weight"):
         table.add_column(col, justify="left" if col == "source" else "right")
-    present = result.weights != 0
-    for j, source in enumerate(sources):
-        count = int(present[:, j].sum())
-        mean_weight = float(result.weights[:, j].sum()) / count if count else float("nan")
+    per_source = answered(result)
+    for j, (source, (_, mean_weight)) in enumerate(zip(sources, per_source, strict=True)):
         table.add_row(
             source,
             f"{float(result.noise[j]):.4g}",
@@ -281,7 +279,7 @@ def infer(
             f"{mean_weight:.3f}",
         )
     Console(width=120).print(table)
-    single = [s for s, c in zip(sources, (~x.isnan()).sum(0).tolist(), strict=True) if c == 1]
+    single = [s for s, (count, _) in zip(sources, per_source, strict=True) if count == 1]
     if single:
         named = ", ".join(map(repr, single[:5])) + (f" and {len(single) - 5} more" if len(single) > 5 else "")
         typer.echo(

@@ -131,13 +131,10 @@ def write_results(
         for task, row in zip(tasks, consensus.tolist(), strict=True):
             w.writerow([task, *(f"{v:.10g}" for v in row)])
     per_source = out.with_name(out.stem + "_sources.csv")
-    present = result.weights != 0
     with open(per_source, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["source", "tasks", "noise", "reliability", "mean_weight"])
-        for j, source in enumerate(sources):
-            count = int(present[:, j].sum())
-            mean_weight = float(result.weights[:, j].sum()) / count if count else math.nan
+        for j, (source, (count, mean_weight)) in enumerate(zip(sources, answered(result), strict=True)):
             w.writerow(
                 [
                     source,
@@ -148,3 +145,11 @@ def write_results(
                 ]
             )
     return out, per_source
+
+
+def answered(result: InferenceResult) -> list[tuple[int, float]]:
+    """Per source: how many tasks it reported on (its weight is 0 where it did not) and its mean weight
+    over them (NaN for none)."""
+    counts = (result.weights != 0).sum(0).tolist()
+    sums = result.weights.sum(0).tolist()
+    return [(c, s / c if c else math.nan) for c, s in zip(counts, sums, strict=True)]

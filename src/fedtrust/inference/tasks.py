@@ -67,10 +67,11 @@ def as_tasks(estimates, mask=None) -> Tasks:
     finite = torch.isfinite(torch.linalg.vector_norm(x, dim=-1).square() * (i * j))
     suspect = ~finite
     if suspect.any():  # check those entries exactly
-        finite[suspect] = torch.isfinite(x[suspect]).all(-1)
+        entries = x[suspect]
+        finite[suspect] = torch.isfinite(entries).all(-1)
         if mask is None:  # with a mask, only an entry marked present must be finite (checked below)
             infinite = torch.zeros_like(suspect)
-            infinite[suspect] = torch.isinf(x[suspect]).any(-1)
+            infinite[suspect] = torch.isinf(entries).any(-1)
             if infinite.any():
                 t, s = torch.nonzero(infinite)[0].tolist()
                 value = float(x[t, s][torch.isinf(x[t, s])][0])
