@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 from fedtrust._checks import stopping_tol
+from fedtrust.cores import usable_cores
 
 settings.register_profile(
     "ci", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
@@ -19,8 +20,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # `make test` runs the suite in pytest-xdist's workers, one per core it may use (at most 4): each takes
 # its share of the cores, so two workers on two cores do not fight over each other's threads.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-torch.set_num_threads(max(1, min(2, CORES // WORKERS)))
+torch.set_num_threads(max(1, min(2, usable_cores() // WORKERS)))
 
 # Where `make test` starts its workers, the longest file goes first and the Ray sweeps last, so that the
 # workers end together and the two seldom wait on each other's lock (below).

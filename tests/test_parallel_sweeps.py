@@ -67,3 +67,20 @@ def test_a_sweep_on_a_local_ray_instance(serial, tmp_path):
 def test_jobs_must_be_a_whole_number(tmp_path):
     with pytest.raises(ValueError, match="jobs must be a whole number >= 1, got 0"):
         run_experiment(runs.config(BASE), tmp_path, jobs=0)
+
+
+def test_each_process_takes_its_share_of_the_cores_it_may_use_not_of_the_machine(tmp_path, monkeypatch):
+    """A container or ``taskset`` gives the sweep fewer cores than the machine has: two processes on the
+    cores it may use take one thread each (the machine's 8 would have given them 4 each, oversubscribed)."""
+    import json
+    import os
+
+    from fedtrust.cores import usable_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert usable_cores() == 2
+    one_round = {**BASE, "train": {"rounds": 1, "lr": 0.5}, "sweep": {"seed": [0, 1]}}
+    done = run_experiment(runs.config(one_round), tmp_path, progress=False, jobs=2)
+    assert [o.status for o in done] == ["finished"] * 2
+    assert {json.loads((o.directory / "manifest.json").read_text())["threads"] for o in done} == {1}

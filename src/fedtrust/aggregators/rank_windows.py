@@ -10,7 +10,6 @@ sort per block of the ``"stream"`` budget (:func:`rank_window_by_sort`)."""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,11 +21,12 @@ import torch
 from fedtrust.aggregators import order_stats, triton_windows
 from fedtrust.aggregators.chunks import column_blocks
 from fedtrust.aggregators.passes import row_norms
+from fedtrust.cores import usable_cores
 
 
 @cache
 def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, torch.get_num_threads())), "fedtrust-select")
+    return ThreadPoolExecutor(min(usable_cores(), torch.get_num_threads()), "fedtrust-select")
 
 
 def map_column_blocks(

@@ -6,7 +6,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import torch
 import fedtrust
 from fedtrust.attacks import ATTACKS
 from fedtrust.checkpoint import CorruptFileError, digest
+from fedtrust.cores import usable_cores
 from fedtrust.data import DATASETS
 from fedtrust.data.corruptions import DATA_CORRUPTIONS, data_corruption
 from fedtrust.data.partition import PARTITIONERS
@@ -332,7 +332,7 @@ def run_experiment(
                 index, outcome = _run_locked(*task, datasets, bar)
                 outcomes[index] = outcome
         else:
-            threads = max(1, (os.cpu_count() or 1) // jobs)
+            threads = max(1, usable_cores() // jobs)
             for index, outcome in pool.imap_unordered(_run_task, [(*t, threads) for t in todo]):
                 outcomes[index] = outcome
                 bar.advance(runs[index][1].train.rounds_run, outcome.label)
