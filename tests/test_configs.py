@@ -355,12 +355,25 @@ def test_a_folder_or_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
             r"seed=0: model: model mlp: hidden\[0\] must be >= 1, got -5",
         ),
         ({"corruption": {"name": "dba", "parts": 100, "fraction": 0.5}}, r"seed=0: corruption: .*parts 100"),
+        (
+            {"data": {"name": "digits", "clients": 4, "test_fraction": 0.001}},
+            r"seed=0: data: test_fraction 0.001 of 1797 rows leaves 1795 training and 2 test rows; the split "
+            r"is stratified .* \(nothing was run\)$",
+        ),
+        (
+            {
+                "data": {"name": "synthetic_linear", "clients": 3, "noise": [1, 2]},
+                "model": {"name": "linear"},
+            },
+            r"seed=0: data: synthetic_linear: noise needs one level per party \(5\), got 2",
+        ),
     ],
 )
 def test_option_values_only_the_data_can_check_are_refused_before_any_run(tmp_path, block, message):
     """The config check knows a model's and a data corruption's option names but not whether -5 hidden
-    units or a 100-part trigger in 8x8 images fit: swept over three seeds, the run failed three times, one
-    run after another. Now the sweep is refused once, naming the run and the field, and nothing is written."""
+    units or a 100-part trigger in 8x8 images fit, nor whether a test split of 0.1% leaves a row of each
+    class to stratify: swept over three seeds, the run failed three times, one run after another. Now the
+    sweep is refused once, naming the run and the field, and nothing is written."""
     from fedtrust.sweeps.runner import run_experiment
 
     cfg = validate({"name": "bad", "data": {"name": "digits", "clients": 4}, "train": {"rounds": 1},

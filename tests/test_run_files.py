@@ -23,6 +23,7 @@ import fedtrust
 from fedtrust import Aggregate
 from fedtrust.checkpoint import CorruptFileError, atomic_write, load_state, save_state
 from fedtrust.sim.store import RecoveryWarning, RunLocked, RunStore
+from fedtrust.sweeps.config import ConfigError
 from fedtrust.sweeps.runner import ConfigChanged, build_simulation, run_experiment
 
 SRC = Path(fedtrust.__file__).parent
@@ -456,11 +457,15 @@ def test_a_run_computed_from_other_data_under_the_same_path_is_computed_again(tm
         again = run_experiment(cfg, tmp_path / "out", progress=False)[0]
     assert again.status == "finished" and again.final != first.final
     # data that are gone (or cut to the header) cannot vouch for the stored number: it is not printed as
-    # a skipped run's (a freshness review), the run fails saying why, and comes back with the data
-    for broken in ("a,b,c,y\n", None):
-        csv.unlink() if broken is None else csv.write_text(broken)
-        (gone,) = run_experiment(cfg, tmp_path / "out", progress=False)
-        assert gone.status == "failed" and gone.final is None and str(csv.name) in gone.error
+    # a skipped run's (a freshness review); a file that is gone fails the run saying why, one cut to its
+    # header refuses the sweep before any run (every run on it would fail alike), and the result comes
+    # back with the data
+    csv.write_text("a,b,c,y\n")
+    with pytest.raises(ConfigError, match=r"run: data: .*data.csv: a header and no data rows \(nothing was"):
+        run_experiment(cfg, tmp_path / "out", progress=False)
+    csv.unlink()
+    (gone,) = run_experiment(cfg, tmp_path / "out", progress=False)
+    assert gone.status == "failed" and gone.final is None and str(csv.name) in gone.error
     write(x[:, 1] > 0)
     back = run_experiment(cfg, tmp_path / "out", progress=False)[0]
     assert back.status == "finished" and back.final == again.final

@@ -86,10 +86,13 @@ class _DatasetCache:
 
 def check_with_data(runs: list[tuple[str, ExperimentConfig]], datasets: _DatasetCache) -> None:
     """The option values that only a dataset can check (a model's sizes, a data corruption's trigger in the
-    images), once per distinct (data, model, corruption) of the sweep, before any run starts: the config
+    images, the data's own values such as a test split too small to stratify or synthetic_linear's noise
+    levels), once per distinct (data, model, corruption) of the sweep, before any run starts: the config
     check knows their names, not whether -5 hidden units or a 100-part trigger fit. A ConfigError names
-    the first run and the field. Data that cannot be read here is left to the runs, which fail saying
-    why."""
+    the first run and the field. A data file that is there but cannot be read as the data (a CSV cut to
+    its header) is refused the same way, since every run on it would fail alike; data that is not there
+    (:class:`~fedtrust.data.datasets.DatasetNotFound`, any other OS error) is left to the runs, which fail
+    saying why, so that a sweep over several data sets runs those that are present."""
     seen = set()
     for label, c in runs:
         parts = (c.data, c.model, c.corruption)
@@ -97,18 +100,19 @@ def check_with_data(runs: list[tuple[str, ExperimentConfig]], datasets: _Dataset
         if key in seen:
             continue
         seen.add(key)
+        field = "data"
         try:
             dataset = datasets.get(c.data.name, c.data.options)
-        except Exception:  # noqa: BLE001 - the run reports what is wrong with its data
-            continue
-        field = "model"
-        try:
+            field = "model"
             build_model(c.model.name, dataset, **c.model.options)
             if c.corruption.name in DATA_CORRUPTIONS:
                 field = "corruption"
                 data_corruption(c.corruption.name, dataset.input_shape, **c.corruption.options)
+        except OSError:  # data that is not there: the run says so
+            continue
         except (ValueError, TypeError) as exc:
-            raise ConfigError(f"{label}: {field}: {exc} (nothing was run)") from None
+            said = str(exc) if str(exc).startswith(f"{field}:") else f"{field}: {exc}"  # (not "data: data:")
+            raise ConfigError(f"{label}: {said} (nothing was run)") from None
 
 
 def build_simulation(
