@@ -13,6 +13,7 @@ from fedtrust.probabilistic import (
     bootstrap_predictive,
     fit_posterior,
     linear_predictive,
+    noise_precision,
     omc_predictive,
     scoring_rules,
 )
@@ -107,6 +108,44 @@ def test_linear_closed_form_matches_monte_carlo():
     )
     np.testing.assert_allclose(mc_mu.numpy(), mu.numpy(), atol=0.02 * float(sigma.mean()))
     np.testing.assert_allclose(mc_sigma.numpy(), sigma.numpy(), rtol=0.02)
+
+
+def test_the_data_noise_is_the_trusted_clients_residual_variance():
+    """Eq 6's 1/beta from the clients' training residuals, pooled by sample count; with robust FedAG's
+    trust, three of ten clients with noisy targets (sd 3 against the others' 0.5) have no say in it."""
+    data = synthetic_linear(parties=3, samples=30, dim=4)
+    model = build_model("linear", data)
+    at = torch.zeros(model.size)  # predicts 0: the residuals are the targets
+    g = G().manual_seed(0)
+    clients = [(torch.randn(n, 4, generator=g), sd * torch.randn(n, generator=g))
+               for n, sd in zip([40] * 7 + [20] * 3, [0.5] * 7 + [3.0] * 3, strict=True)]  # fmt: skip
+    sq = [float(y.square().mean()) for _, y in clients]
+    pooled = sum(40 * v for v in sq[:7]) + sum(20 * v for v in sq[7:])
+    assert noise_precision(model, at, clients) == pytest.approx(340 / pooled, rel=1e-6)
+    trust = torch.tensor([1 / 7] * 7 + [0.0] * 3)
+    assert noise_precision(model, at, clients, trust) == pytest.approx(7 / sum(sq[:7]), rel=1e-6)
+    assert 1 / noise_precision(model, at, clients, trust) == pytest.approx(0.25, rel=0.15)
+
+
+def test_robust_fedag_reads_the_data_noise_from_the_clients_it_trusts(tmp_path):
+    """A run of robust FedAG (Multi-Krum's trust) with three of ten clients' targets noisy: the data noise
+    of the linear predictive (eq 6) is the trusted clients' residual variance, not every client's."""
+    from fedtrust.sim.store import RunStore
+
+    cfg = validate({"name": "noisy", "data": {"name": "synthetic_linear", "clients": 10, "parties": 10,
+                                              "noise": [0.5] * 10},
+                    "model": {"name": "linear"}, "train": {"rounds": 1, "lr": 0.05, "predictive": "linear"},
+                    "corruption": {"name": "target_noise", "fraction": 0.3, "std": 3.0},
+                    "rule": {"name": "fedag", "base": "multi_krum", "base_options": {"f": 3}}})  # fmt: skip
+    sim = build_simulation(cfg)
+    sim.run(RunStore(tmp_path / "run"))
+    ev = sim.evaluation
+    trust = ev.posterior.weights
+    assert (trust[sim.fed.corrupted] == 0).all() and (trust[~sim.fed.corrupted] > 0).all()
+    honest = [d for d, bad in zip(ev._data, sim.fed.corrupted.tolist(), strict=True) if not bad]
+    want = noise_precision(sim.model, sim.vector, honest)
+    assert ev.noise_precision(sim.vector) == pytest.approx(want, rel=1e-9)
+    assert noise_precision(sim.model, sim.vector, ev._data) < 0.5 * want  # every client's: noisier
 
 
 def test_scoring_rules_known_values():

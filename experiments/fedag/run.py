@@ -56,7 +56,8 @@ def fedag(dataset: Dataset, hidden: int | None, rounds: int, seed: int, base: st
           base_options: dict | None = None, corruption=None, attacker=None, fraction: float = 0.0,
           predictive: str = "bootstrap", noise: bool = False) -> Simulation:  # fmt: skip
     """FedAG on ``dataset`` split over K = 10 devices (C = 1, B = 1, E = 40), run for ``rounds``;
-    ``noise`` adds the data noise 1/beta to the predictive variance (eq 2's p(y | x, w))."""
+    ``noise`` adds the data noise 1/beta to the predictive variance (the noise precision of eq 1, the
+    1/beta term of eq 6)."""
     model = build_model("mlp", dataset, hidden=hidden) if hidden else build_model("linear", dataset)
     fed = build_federation(
         dataset, 10, partitioner("iid"), seed, corruption=corruption, corrupted_fraction=fraction
@@ -193,8 +194,9 @@ def boston(out: Path, folds: int = FOLDS["boston"]) -> None:
         for k, data in enumerate(boston_folds(folds)):
             sim0 = fedag(data, None, 1, k, predictive="linear")
             results["FedAG N=0 (t=1)"].append(scores(data, *predictive(sim0, data.x_test)))
-            # the paper's predictive (Sec. 5): Monte Carlo draws from the per-weight posterior, with the data
-            # noise; beside it the bootstrap over the client models (eqs 3-5) without it
+            # the predictive of the paper's experiments (Sec. 4.5): Monte Carlo draws from the per-weight
+            # posterior, with the data noise; beside it the bootstrap over the client models (Sec. 3's
+            # choice, eqs 3-5) without it
             sim1 = fedag(data, 50, 5, k, predictive="omc", noise=True)
             results["FedAG N=1 (t=5)"].append(scores(data, *predictive(sim1, data.x_test)))
             boot = bootstrap_predictive(sim1.model, sim1.evaluation.posterior, data.x_test)

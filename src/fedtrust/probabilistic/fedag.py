@@ -16,8 +16,14 @@ class FedAG(BaseRule):
     """FedAvg-Gaussian (Algorithm 1): the aggregate of ``base`` (default the plain mean, which is FedAG
     itself) and the per-weight Gaussian posterior N(mu, sigma^2) fitted to the round's client updates
     with ``base``'s trust weights: mu = the base aggregate, sigma^2 = sum_k w_k (x_k - mu)^2. With a robust
-    base (ivar_vb, arfl, geometric_median, ...) this is robust FedAG: clients the base distrusts
-    neither drag the mean nor inflate the uncertainty. ``info["posterior_var"]`` holds sigma^2 (d,).
+    base whose aggregate is its trust-weighted mean of the updates (ivar_vb, arfl, geometric_median,
+    multi_krum, ...) this is robust FedAG: clients the base distrusts neither drag the mean nor inflate
+    the uncertainty. ``info["posterior_var"]`` holds sigma^2 (d,).
+
+    A coordinate-wise base (median, trimmed_mean, bulyan) is not such a rule: its per-client weights are
+    the shares of the coordinates each client supplied, not a trust per coordinate. sigma^2 then counts a
+    client also at coordinates where the rule set it aside, and the bootstrap predictive (the weighted
+    client models) is centred on their weighted mean rather than on the aggregate.
 
     Updates are deltas from the global model, so sigma^2 is also the variance of the client models.
     ``base`` is a rule object; by name, ``fedtrust.rule("fedag", base="ivar_vb", base_options={...})``.

@@ -130,12 +130,15 @@ def linear_predictive(posterior: GaussianPosterior, x: torch.Tensor, beta: float
 def noise_precision(
     model: FlatModel, at: torch.Tensor, data: list[tuple[torch.Tensor, torch.Tensor]], weights=None
 ) -> float:
-    """beta = 1 / the residual variance of ``at`` on the clients' training data (each client reporting
-    its mean squared residual, combined with ``weights``, sample counts by default)."""
+    """beta = 1 / the residual variance of ``at`` on the clients' training data (eq 6's noise precision,
+    read from the training data as the paper's Sec. 4 does): each client reports its mean squared
+    residual, and the server pools them by sample count times the client's trust ``weights`` (equal by
+    default: every sample counts alike). With robust FedAG's trust, a client the rule sets aside (weight 0)
+    has no say in the data noise either: three of ten clients with noisy targets would otherwise set it."""
     with torch.no_grad():
         mse = torch.tensor(
             [float(((model.forward(at, x).reshape(-1) - y) ** 2).mean()) if len(y) else 0.0 for x, y in data]
         )
     counts = torch.tensor([len(y) for _, y in data], dtype=torch.float64)
-    w = counts if weights is None else weights.to(torch.float64).cpu() * (counts > 0)
+    w = counts if weights is None else weights.detach().to(torch.float64).cpu() * counts
     return float(w.sum() / (w * mse.to(torch.float64)).sum().clamp_min(1e-12))

@@ -99,11 +99,7 @@ class FedAGPredictive(TestSetMetrics):
         if self.posterior is None:
             return None
         s = self.settings
-        beta = (
-            noise_precision(self.model, vector, self._data)
-            if (s.predictive == "linear" or s.predictive_noise)
-            else None
-        )
+        beta = self.noise_precision(vector) if (s.predictive == "linear" or s.predictive_noise) else None
         noise = 1.0 / beta if s.predictive_noise else 0.0
         if s.predictive == "linear":
             return linear_predictive(self.posterior, x, beta)
@@ -112,6 +108,11 @@ class FedAGPredictive(TestSetMetrics):
                 self.model, self.posterior, x, s.predictive_samples, stream(self.seed, "omc", t), noise
             )
         return bootstrap_predictive(self.model, self.posterior, x, noise)
+
+    def noise_precision(self, vector: torch.Tensor) -> float:
+        """beta of eq 6 at ``vector``: the latest posterior's clients' residual variance on their training
+        data, each client counted by its samples and its trust in that round (:func:`noise_precision`)."""
+        return noise_precision(self.model, vector, self._data, self.posterior.weights)
 
     def predictions(self, t: int, vector: torch.Tensor):
         return self._scaled(t, vector, lambda sigma: sigma)
