@@ -195,6 +195,27 @@ def test_flower_run_refuses_an_unknown_run_config_key_and_too_few_nodes_before_s
     checked_run_config(APP, 2, "min-nodes=2")
 
 
+def test_flower_run_reads_every_run_config_it_is_given():
+    """`flwr run` takes --run-config more than once, merging them in order; `fedtrust flower-run` kept the
+    last value only, so `--run-config 'rule="arfl"' --run-config 'num-server-rounds=3'` ran the default
+    rule without a word. Every value now counts (refused here before any process starts)."""
+    from typer.testing import CliRunner
+
+    from fedtrust.cli import app
+    from fedtrust.flower.local import checked_run_config
+
+    with pytest.raises(ValueError, match="declares no key 'bogus'"):
+        checked_run_config(APP, 3, ["bogus=1", "min-nodes=2"])
+    with pytest.raises(ValueError, match=r"--nodes 3 is below the app's min-nodes \(99\)"):
+        checked_run_config(APP, 3, ["min-nodes=2", "min-nodes=99"])  # the later value wins, as in Flower
+    checked_run_config(APP, 3, ["min-nodes=99", "min-nodes=3"])
+    result = CliRunner().invoke(
+        app,
+        ["flower-run", str(APP), "--nodes", "3", "--run-config", "bogus=1", "--run-config", "min-nodes=2"],
+    )
+    assert result.exit_code != 0 and "declares no key 'bogus'" in result.output
+
+
 def flower_processes() -> set[str]:
     found = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):

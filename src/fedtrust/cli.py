@@ -392,8 +392,10 @@ def _write_credentials(out: Path, host: list[str], nodes: int, force: bool) -> N
 def flower_run(
     app_dir: Path = typer.Argument(..., help="The Flower app's folder (with its pyproject.toml)."),
     nodes: int = typer.Option(5, min=1, help="SuperNodes in the simulation."),
-    run_config: str = typer.Option(
-        None, help="Flower's --run-config, e.g. 'rule=\"arfl\" num-server-rounds=3'."
+    run_config: list[str] = typer.Option(
+        None,
+        help="Flower's --run-config, e.g. 'rule=\"arfl\" num-server-rounds=3'; may be given more than once "
+        "(as for flwr run: later values override earlier ones).",
     ),
     logs: Path = typer.Option(None, help="Keep the SuperLink's log here (default: discarded)."),
 ) -> None:

@@ -170,10 +170,23 @@ def unfinished_runs(procs: Processes) -> list[str]:
             if r.get("status") != "finished:completed"]  # fmt: skip
 
 
-def checked_run_config(app: Path, nodes: int, run_config: str | None) -> None:
+def run_configs(run_config: str | Sequence[str] | None) -> list[str]:
+    """``flwr run``'s ``--run-config`` values: one string, or several (each given as its own option;
+    Flower merges them in order, a later value of a key overriding an earlier one)."""
+    if run_config is None:
+        return []
+    given = [run_config] if isinstance(run_config, str) else list(run_config)
+    odd = [c for c in given if not isinstance(c, str)]
+    if odd:
+        raise ValueError(f"run_config must be strings of key=value pairs, got {odd[0]!r}")
+    return [c for c in given if c]
+
+
+def checked_run_config(app: Path, nodes: int, run_config: str | Sequence[str] | None) -> None:
     """Refuse, before anything starts, a run config naming a key the app does not declare (Flower says
     only "Invalid run configuration") and fewer nodes than the app's ``min-nodes`` (the run would wait
-    for the missing nodes for ever)."""
+    for the missing nodes for ever). ``run_config``: one ``--run-config`` value or several, merged as
+    Flower merges them."""
     import tomllib
 
     from flwr.common.config import parse_config_args
@@ -182,10 +195,12 @@ def checked_run_config(app: Path, nodes: int, run_config: str | None) -> None:
         declared = tomllib.loads((app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     except (KeyError, TypeError, tomllib.TOMLDecodeError):
         return  # not our business: Flower reads the app
+    configs = run_configs(run_config)
     try:
-        given = parse_config_args([run_config]) if run_config else {}
+        given = parse_config_args(configs) if configs else {}
     except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise ValueError(f"--run-config {run_config!r} is not key=value pairs: {exc}") from None
+        shown = " ".join(f"--run-config {c!r}" for c in configs)
+        raise ValueError(f"{shown} is not key=value pairs: {exc}") from None
     unknown = sorted(set(given) - set(declared))
     if unknown:
         raise ValueError(
@@ -198,7 +213,9 @@ def checked_run_config(app: Path, nodes: int, run_config: str | None) -> None:
                          f"min-nodes={nodes}")  # fmt: skip
 
 
-def simulate(app: str | Path, nodes: int, run_config: str | None = None, logs: Path | None = None) -> int:
+def simulate(
+    app: str | Path, nodes: int, run_config: str | Sequence[str] | None = None, logs: Path | None = None
+) -> int:
     """``flwr run APP --stream`` in Flower's simulation engine with ``nodes`` SuperNodes, on a SuperLink
     started for it and stopped (with everything it started) when the run ends; the exit status of
     ``flwr run``, or 1 when it exited 0 but the run did not finish as completed (a ServerApp that raised).
@@ -222,8 +239,8 @@ def simulate(app: str | Path, nodes: int, run_config: str | None = None, logs: P
             procs.wait(lambda: procs.flwr("list", "local").returncode == 0, "the SuperLink")
             command = ["run", str(Path(app).resolve()), "local", "--stream",
                        "--federation-config", f"num-supernodes={nodes}"]  # fmt: skip
-            if run_config:
-                command += ["--run-config", run_config]
+            for config in run_configs(run_config):
+                command += ["--run-config", config]
             code = procs.flwr(*command, timeout=None, capture=False).returncode
             failed = unfinished_runs(procs) if code == 0 else []
             for line in failed:
