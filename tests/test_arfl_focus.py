@@ -113,7 +113,7 @@ def test_a_client_whose_update_is_quarantined_is_forgotten_and_the_round_goes_on
     rule forgets its stored loss, as it forgets one whose loss cannot be measured, and the round's
     healthy clients share the weight instead of the round being refused for all-zero weights."""
     ids = list(range(6))
-    losses = [-5.0, 2.3, 2.3, 2.4, 2.2, 2.3]
+    losses = [0.0, 2.3, 2.3, 2.4, 2.2, 2.3]
     arfl = rule("arfl")
     arfl.observe(ids, [100] * 6, {"train_loss": losses})
     x = 0.01 * torch.randn(6, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -124,6 +124,21 @@ def test_a_client_whose_update_is_quarantined_is_forgotten_and_the_round_goes_on
         assert 0 not in arfl.state_dict()["loss"]
         alpha, _ = arfl_weights(torch.tensor(losses[1:], dtype=torch.float64), torch.full((5,), 100.0), 500.0)
         torch.testing.assert_close(out.weights[1:], alpha / alpha.sum())
+
+
+def test_a_negative_training_loss_is_refused_not_trusted():
+    """Eq 9 gives alpha_i growing without bound as L_i falls: one client of four reporting a
+    cross-entropy of -1e6 took the whole round (weight 1.0). No training loss is below 0: the front
+    door quarantines the report, and the initial report (observe) leaves it out, naming it."""
+    ids, x = [0, 1, 2, 3], torch.randn(4, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    arfl = rule("arfl")
+    left_out = arfl.observe(ids, [10] * 4, {"train_loss": [0.5, 0.6, 0.4, -1.0]})
+    assert left_out == {3: "metric train_loss=-1.0 is below 0, which a training loss (cross-entropy, "
+                           "squared error) never is"}  # fmt: skip
+    out = arfl(Round(updates=x, client_ids=ids, num_samples=[10] * 4,
+                     metrics={"train_loss": [0.5, 0.6, 0.4, -1e6]}))  # fmt: skip
+    assert out.weights[3] == 0 and "train_loss=-1000000.0 is below 0" in out.info["quarantined"][3]
+    assert float(out.weights.sum()) == pytest.approx(1.0)
 
 
 def focus_by_hand(ls, ll, n, alpha):

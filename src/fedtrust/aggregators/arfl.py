@@ -13,6 +13,7 @@ from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, NoValidUpdates, Round, RoundRefused
 from fedtrust.aggregators.loss_defences import DEFENCES, defend
 from fedtrust.aggregators.passes import weighted_sum
+from fedtrust.aggregators.screening import negative_loss
 from fedtrust.aggregators.state import Dict, Fields, Float, check_state
 
 
@@ -103,9 +104,9 @@ class ARFL(BaseRule):
 
     def observe(self, client_ids: Sequence, num_samples, metrics: Mapping[str, Any]) -> dict[Any, str]:
         """Record losses without aggregating (the initial report of every client). A report the front door
-        would quarantine (a loss that is not finite, a count that is not a finite non-negative number) is
-        not recorded: that client enters with its first round's report. Returns client id -> why its
-        report was left out."""
+        would quarantine (a loss that is not finite or below 0, a count that is not a finite non-negative
+        number) is not recorded: that client enters with its first round's report. Returns client id ->
+        why its report was left out."""
         if "train_loss" not in metrics:
             got = sorted(metrics) or "none"
             raise ValueError(f"{self.name}: observe needs metric 'train_loss'; got {got}")
@@ -123,6 +124,8 @@ class ARFL(BaseRule):
                 left_out[cid] = f"num_samples={m!r} is not a finite non-negative count"
             elif not math.isfinite(loss):
                 left_out[cid] = f"metric train_loss={loss!r} is not finite"
+            elif loss < 0:
+                left_out[cid] = negative_loss("train_loss", loss)
             else:
                 self._loss[cid], self._samples[cid] = loss, m
         return left_out

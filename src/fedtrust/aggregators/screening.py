@@ -34,7 +34,7 @@ import torch
 
 from fedtrust.aggregators.core import Aggregate, NoValidUpdates, Round, RoundRefused
 
-__all__ = ["FirstPass", "call_rule", "has_first_pass", "norm_limit", "screen"]
+__all__ = ["LOSSES", "FirstPass", "call_rule", "has_first_pass", "negative_loss", "norm_limit", "screen"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,20 @@ def _too_large(row: torch.Tensor) -> str:
     )
 
 
+#: Metrics that are a training loss (ARFL's and FOCUS's ``train_loss``): cross-entropy or squared error,
+#: never below 0. A client reporting a negative one is quarantined: ARFL's closed form (eq 9) gives a
+#: reported loss of -1e6 all the weight of a round.
+LOSSES = ("train_loss",)
+
+
+def negative_loss(name: str, value: float) -> str:
+    """Why a client's reported training loss ``value`` of metric ``name`` (in :data:`LOSSES`), below 0, is
+    refused."""
+    return (
+        f"metric {name}={value!r} is below 0, which a training loss (cross-entropy, squared error) never is"
+    )
+
+
 def _screen_scalars(round: Round, requires: Sequence[str], rule: str) -> dict[int, str]:
     bad: dict[int, str] = {}
     counts = round.num_samples
@@ -129,6 +143,11 @@ def _screen_scalars(round: Round, requires: Sequence[str], rule: str) -> dict[in
                 f"{rule} needs metric {name!r} in Round.metrics; got {sorted(round.metrics) or 'none'}"
             )
         values = round.metrics[name]
+        below = (
+            (values < 0) & torch.isfinite(values) if name in LOSSES else torch.zeros_like(values, dtype=bool)
+        )
+        for i in torch.nonzero(below).flatten().tolist():
+            bad.setdefault(i, negative_loss(name, values[i].item()))
         for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist():
             value = values[i].item()
             # metrics take the updates' dtype: an infinite one may have been a finite value beyond its range
