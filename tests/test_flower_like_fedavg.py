@@ -140,6 +140,23 @@ def test_an_option_out_of_range_is_refused_by_name(option, value):
         TrustStrategy(**{option: value})
 
 
+def test_options_as_numpy_scalars_and_a_rule_with_its_options_in_one_string_are_taken():
+    """FedAvg takes np.float32(0.5) and np.int64(3), and the run config writes a rule as
+    "trimmed_mean(f=0.2)": TrustStrategy refused both ("fraction_train must be a fraction in [0, 1], got
+    np.float32(0.5)"; "unknown rule 'trimmed_mean(f=0.2)'")."""
+    import numpy as np
+
+    s = TrustStrategy(
+        rule="trimmed_mean(f=0.2)", fraction_train=np.float32(0.5), min_available_nodes=np.int64(3)
+    )
+    assert (s.rule.name, s.rule.options()["f"]) == ("trimmed_mean", 0.2)
+    assert (type(s.fraction_train), s.fraction_train, type(s.min_available_nodes)) == (float, 0.5, int)
+    with pytest.raises(ValueError, match="option 'f' is given both in rule= and rule_options="):
+        TrustStrategy(rule="trimmed_mean(f=0.2)", rule_options={"f": 0.1})
+    with pytest.raises(ValueError, match=r"fraction_train must be a fraction in \[0, 1\], got '0.5' \(str\)"):
+        TrustStrategy(fraction_train="0.5")
+
+
 def test_the_client_names_itself_by_node_name_or_partition():
     from flwr.app import Context, RecordDict
 

@@ -71,9 +71,12 @@ def test_a_restarted_superlink_goes_on_from_the_checkpoint(tmp_path):
         run(TrustStrategy(rule="ivar_vb", run_dir=tmp_path / "run", **QUIET), grid, rounds=3)
     with pytest.raises(ValueError, match="holds a run of .*ivar_vb.* not of this strategy .*median"):
         run(TrustStrategy(rule="median", run_dir=tmp_path / "run", **QUIET), grid, rounds=5)
-    # whom a round samples and waits for may change (a node gone for good: a lower minimum)
+    with pytest.raises(ValueError, match="holds a run of .*ivar_vb.* not of this strategy .*'window': 5"):
+        run(TrustStrategy(rule="ivar_vb(window=5)", run_dir=tmp_path / "run", **QUIET), grid, rounds=5)
+    # whom a round samples and waits for may change (a node gone for good: a lower minimum); the rule
+    # written out with its default option is the same rule ("ivar_vb(window=10)" was refused as another)
     fewer = TrustStrategy(
-        rule="ivar_vb", run_dir=tmp_path / "run", fraction_evaluate=0.0, min_available_nodes=3
+        rule="ivar_vb(window=10)", run_dir=tmp_path / "run", fraction_evaluate=0.0, min_available_nodes=3
     )
     run(fewer, grid, rounds=5)
     assert [r["round"] for r in fewer.history] == [1, 2, 3, 4, 5]

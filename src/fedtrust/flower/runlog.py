@@ -24,6 +24,7 @@ from typing import Any
 from flwr.supercore import log
 
 from fedtrust.checkpoint import CorruptFileError
+from fedtrust.rules import rule as build_rule
 from fedtrust.sim.store import RunStore, interruption, now, versions
 
 REMEDY = "give the strategy another run_dir, or delete this one to start over"
@@ -126,9 +127,24 @@ SAMPLING = (
 
 
 def _meaning(config: dict[str, Any]) -> dict[str, Any]:
-    """The parts of a run's config a resumed run must share: the rule, the strategy's other options."""
+    """The parts of a run's config a resumed run must share: the rule (with every option it resolves to,
+    so that ``ivar_vb`` and ``ivar_vb(window=10)``, its default, are one rule), the strategy's other
+    options."""
     strategy = {k: v for k, v in (config.get("strategy") or {}).items() if k not in SAMPLING}
-    return {"rule": config.get("rule"), "strategy": strategy}
+    return {"rule": _resolved(config.get("rule")), "strategy": strategy}
+
+
+def _resolved(rule: Any) -> Any:
+    """A recorded rule (``{"name": ..., options as given}``) with every option the registry's rule of that
+    name resolves them to; as recorded when it names no rule the registry builds (a user's own object)."""
+    if not isinstance(rule, dict) or not isinstance(rule.get("name"), str):
+        return rule
+    name, options = rule["name"], {k: v for k, v in rule.items() if k != "name"}
+    try:
+        built = build_rule(name, **options)
+    except (ValueError, TypeError):
+        return rule
+    return _plain({"name": name, **built.options()})
 
 
 def _plain(tree: Any) -> Any:

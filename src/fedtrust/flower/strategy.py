@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from logging import INFO, WARNING
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from fedtrust.flower.arrays import ArrayLayout, MalformedReply
 from fedtrust.flower.replies import Reply, display_names, numbers_in_all, screen, shared_metrics
 from fedtrust.flower.runlog import RunDirectory
 from fedtrust.models import FlatModel
+from fedtrust.registry import parse_spec
 from fedtrust.rules import rule as build_rule
 from fedtrust.server import server_step
 from fedtrust.sim.detection import detection_auroc
@@ -108,18 +110,26 @@ class TrustStrategy(FedAvg):
         query_timeout: float = 600.0,
     ) -> None:
         _check_options(locals())
-        super().__init__(
-            fraction_train=fraction_train,
-            fraction_evaluate=fraction_evaluate,
-            min_train_nodes=min_train_nodes,
-            min_evaluate_nodes=min_evaluate_nodes,
-            min_available_nodes=min_available_nodes,
+        super().__init__(  # (numpy's scalars as Python's: the manifest is JSON)
+            fraction_train=float(fraction_train),
+            fraction_evaluate=float(fraction_evaluate),
+            min_train_nodes=int(min_train_nodes),
+            min_evaluate_nodes=int(min_evaluate_nodes),
+            min_available_nodes=int(min_available_nodes),
             weighted_by_key=weighted_by_key,
             arrayrecord_key=arrayrecord_key,
             configrecord_key=configrecord_key,
             train_metrics_aggr_fn=train_metrics_aggr_fn,
             evaluate_metrics_aggr_fn=evaluate_metrics_aggr_fn,
         )
+        if isinstance(rule, str):  # a name, or a name with options as the run config writes it
+            rule, spec_options = parse_spec(rule)  # ("trimmed_mean(f=0.2)": "trimmed_mean", {"f": 0.2})
+            twice = sorted(set(spec_options) & set(rule_options or {}))
+            if twice:
+                raise ValueError(
+                    f"TrustStrategy: option {twice[0]!r} is given both in rule= and rule_options="
+                )
+            rule_options = {**spec_options, **(rule_options or {})}
         self.rule = build_rule(rule, **(rule_options or {})) if isinstance(rule, str) else rule
         if model is not None and not isinstance(model, FlatModel | torch.nn.Module):
             raise ValueError(
@@ -649,14 +659,16 @@ def _check_options(given: dict[str, Any]) -> None:
     if run_dir and not Path(run_dir).expanduser().is_absolute():
         raise ValueError(f"TrustStrategy: run_dir must be an absolute path, got {str(run_dir)!r}: the "
                          "ServerApp runs in the SuperLink's working directory, not flwr run's")  # fmt: skip
-    for key in ("fraction_train", "fraction_evaluate"):
+    for key in ("fraction_train", "fraction_evaluate"):  # numpy's scalars too, as FedAvg takes them
         value = given[key]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value <= 1.0:
-            raise ValueError(f"TrustStrategy: {key} must be a fraction in [0, 1], got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, Real) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"TrustStrategy: {key} must be a fraction in [0, 1], got {value!r} "
+                             f"({type(value).__name__})")  # fmt: skip
     for key in ("min_train_nodes", "min_evaluate_nodes", "min_available_nodes"):
         value = given[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"TrustStrategy: {key} must be a whole number >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
+            raise ValueError(f"TrustStrategy: {key} must be a whole number >= 0, got {value!r} "
+                             f"({type(value).__name__})")  # fmt: skip
     for key in ("weighted_by_key", "arrayrecord_key", "configrecord_key", "train_loss_key"):
         if not isinstance(given[key], str) or not given[key]:
             raise ValueError(f"TrustStrategy: {key} must be a non-empty string, got {given[key]!r}")
