@@ -386,6 +386,57 @@ def test_a_node_role_takes_options_and_dba_nodes_take_the_stripes_in_listed_orde
         shapeless(context(5, **{"fedtrust-corruption": "label_flip(samples=2)"}))
 
 
+X, Y = torch.rand(12, 64), torch.arange(12) % 10
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"y_train": Y.float()}, "y_train must hold integer class labels, got torch.float32"),
+        ({"y_train": Y + 5}, r"y_train\[5\] = 10 is not a class of 0..9"),
+        ({"x_test": torch.rand(12, 63)}, r"x_test rows have shape \(63,\), x_train rows \(64,\)"),
+        ({"x_train": X[:0], "y_train": Y[:0]}, "x_train has no rows"),
+        ({"y_test": Y[:5]}, r"y_test must hold one label per row of x_test \(12\), got shape \(5,\)"),
+        ({"x_train": X.long()}, "x_train must be a floating"),
+        ({"x_train": X.tolist()}, "x_train must be a torch tensor or a numpy array, got list"),
+    ],
+)
+def test_a_nodes_local_data_is_refused_naming_the_field(fields, message):
+    """Setup mistakes failed deep in torch on the node's first message ("expected target dtype to be Long",
+    "Target 7 is out of bounds", "mat1 and mat2 shapes cannot be multiplied"); they are named now."""
+    from fedtrust.flower import LocalData
+
+    with pytest.raises(ValueError, match=f"LocalData: {message}"):
+        LocalData(**{"x_train": X, "y_train": Y, "x_test": X, "y_test": Y, "num_classes": 10, **fields})
+
+
+def test_a_node_whose_model_does_not_fit_its_data_or_the_arrays_answers_with_an_error_naming_it():
+    from fedtrust.flower import LocalData
+
+    numpy_data = LocalData(X.numpy(), Y.numpy(), X.numpy(), Y.numpy(), 10)  # taken as tensors
+    assert isinstance(numpy_data.x_train, torch.Tensor) and numpy_data.y_train.dtype == torch.int64
+
+    def node(model_fn, data=numpy_data, **config):
+        app = trust_client_app(model_fn, lambda ctx: data)
+        grid = InProcessGrid({100: (app, {"partition-id": 0, **config})})
+        strategy = TrustStrategy(
+            rule="median", fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1
+        )
+        run(strategy, grid, rounds=1)
+        return strategy.history[0]["dropped"]["100"]
+
+    assert "cannot take its rows (data_fn's x_train, of shape (64,) each)" in node(
+        lambda c: torch.nn.Linear(63, 10)
+    )
+    assert "gives 3 class scores, but data_fn's y_train holds label 9" in node(
+        lambda c: torch.nn.Linear(64, 3)
+    )
+    wrapped = node(lambda c: torch.nn.Sequential(torch.nn.Linear(64, 10)))  # fits the data, not the arrays
+    assert "this node's model (model_fn's) is not the model of the global arrays" in wrapped
+    lie = node(lambda c: model(), **{"fedtrust-lie": "zero"})
+    assert "fedtrust-lie must be a number (the train_loss this node reports), got 'zero'" in lie
+
+
 def test_a_sign_flipping_node_is_caught_and_a_colluding_attack_is_refused():
     strategy = TrustStrategy(rule="ivar_vb", fraction_evaluate=0.0, min_available_nodes=4)
     result = run(strategy, federation(bad={3: {"fedtrust-attack": "sign_flip"}}))

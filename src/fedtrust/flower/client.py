@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -22,7 +23,11 @@ from fedtrust.sim.training import local_sgd, mean_loss
 
 @dataclass
 class LocalData:
-    """A node's data: training rows, and evaluation rows (its own test split)."""
+    """A node's data: training rows, and evaluation rows (its own test split). Arrays may be torch tensors
+    or numpy arrays (taken as tensors). Refused naming the field and the value, before any training:
+    features that are not floating point, a label count that is not the row count, class labels that are
+    not integers in 0..num_classes-1, test rows of another shape than the training rows, no training
+    rows. (Test rows may be none: the node then answers an evaluation with an error saying so.)"""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
@@ -30,6 +35,42 @@ class LocalData:
     y_test: torch.Tensor
     num_classes: int | None = None
     input_shape: tuple[int, ...] | None = None  # (C, H, W) of image rows: backdoor corruptions need it
+
+    def __post_init__(self) -> None:
+        if self.num_classes is not None:
+            self.num_classes = check_int("LocalData: num_classes", self.num_classes, minimum=1)
+        for split in ("train", "test"):
+            x = _tensor(f"LocalData: x_{split}", getattr(self, f"x_{split}"))
+            y = _tensor(f"LocalData: y_{split}", getattr(self, f"y_{split}"))
+            if x.dim() < 2 or not x.is_floating_point():
+                raise ValueError(f"LocalData: x_{split} must be a floating (rows, features...) array, got "
+                                 f"{x.dtype} of shape {tuple(x.shape)}")  # fmt: skip
+            if y.dim() != 1 or len(y) != len(x):
+                raise ValueError(f"LocalData: y_{split} must hold one label per row of x_{split} ({len(x)}), "
+                                 f"got shape {tuple(y.shape)}")  # fmt: skip
+            if self.num_classes is not None:
+                if y.is_floating_point() or y.dtype == torch.bool:
+                    raise ValueError(f"LocalData: y_{split} must hold integer class labels, got {y.dtype}")
+                outside = torch.nonzero((y < 0) | (y >= self.num_classes)).flatten()
+                if len(outside):
+                    i = int(outside[0])
+                    raise ValueError(f"LocalData: y_{split}[{i}] = {int(y[i])} is not a class of "
+                                     f"0..{self.num_classes - 1}")  # fmt: skip
+            setattr(self, f"x_{split}", x)
+            setattr(self, f"y_{split}", y)
+        if len(self.x_train) == 0:
+            raise ValueError("LocalData: x_train has no rows; a node trains on its own rows")
+        if self.x_test.shape[1:] != self.x_train.shape[1:]:
+            raise ValueError(f"LocalData: x_test rows have shape {tuple(self.x_test.shape[1:])}, x_train "
+                             f"rows {tuple(self.x_train.shape[1:])}")  # fmt: skip
+
+
+def _tensor(field: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.as_tensor(value)
+    raise ValueError(f"{field} must be a torch tensor or a numpy array, got {type(value).__name__}")
 
 
 #: Config keys that make a node corrupted (for demos and tests of robustness):
@@ -87,9 +128,10 @@ def trust_client_app(
     defaults = {"local-epochs": local_epochs, "batch-size": batch_size, "learning-rate": lr,
                 "weight-decay": weight_decay}  # fmt: skip
 
-    def received(msg: Message) -> tuple[ArrayLayout, torch.Tensor]:
+    def received(msg: Message, model: FlatModel) -> tuple[ArrayLayout, torch.Tensor]:
         record = msg.content.array_records[arrayrecord_key]
         layout = ArrayLayout(record)
+        layout.check_model(model, "this node's model (model_fn's)")
         return layout, layout.flatten(record)
 
     def reply(msg: Message, context: Context, arrays: ArrayRecord | None, metrics: dict) -> Message:
@@ -103,7 +145,7 @@ def trust_client_app(
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         model, data = nodes(context)
-        layout, start = received(msg)
+        layout, start = received(msg, model)
         loss = mean_loss(model, start, data.x_train, data.y_train)
         server_round = int(msg.content[configrecord_key].get("server-round", 0))
         run = {key: context.run_config.get(key, value) for key, value in defaults.items()}
@@ -115,14 +157,16 @@ def trust_client_app(
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         model, data = nodes(context)
-        _, weights = received(msg)
+        _, weights = received(msg, model)
+        if len(data.y_test) == 0:
+            raise ValueError("this node has no test rows (LocalData.x_test is empty): nothing to evaluate on")
         scores = model.evaluate(weights, data.x_test, data.y_test)
         return reply(msg, context, None, {weighted_by_key: len(data.y_test), **scores})
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
         model, data = nodes(context)
-        _, weights = received(msg)
+        _, weights = received(msg, model)
         loss = mean_loss(model, weights, data.x_train, data.y_train)
         metrics = {weighted_by_key: len(data.y_train), train_loss_key: _reported_loss(context, loss)}
         return reply(msg, context, None, metrics)
@@ -195,6 +239,11 @@ class _Nodes:
         if key not in self.cache:
             model = FlatModel(self.model_fn(context), self.task)
             data = self.data_fn(context)
+            if not isinstance(data, LocalData):
+                raise ValueError(
+                    f"data_fn must return a fedtrust.flower.LocalData, got {type(data).__name__}"
+                )
+            _check_fit(model, data)
             spec = node_role(context).get(CORRUPTION)
             if spec:
                 # by partition where there is one: node ids are drawn anew by every SuperLink
@@ -206,6 +255,22 @@ class _Nodes:
                 data = LocalData(x, y, data.x_test, data.y_test, data.num_classes, data.input_shape)
             self.cache[key] = (model, data)
         return self.cache[key]
+
+
+def _check_fit(model: FlatModel, data: LocalData) -> None:
+    """Refuse, naming both, a model_fn's model that cannot take the data_fn's rows, or whose outputs
+    (classes) are fewer than the labels need: one row through the model, before any training."""
+    try:
+        with torch.no_grad():
+            out = model.forward(torch.zeros(model.size), data.x_train[:1])
+    except RuntimeError as exc:
+        raise ValueError(f"this node's model (model_fn's) cannot take its rows (data_fn's x_train, of shape "
+                         f"{tuple(data.x_train.shape[1:])} each): {exc}") from None  # fmt: skip
+    if model.task == "classification":
+        labels = int(data.y_train.max()) + 1
+        if out.shape[-1] < labels:
+            raise ValueError(f"this node's model (model_fn's) gives {out.shape[-1]} class scores, but "
+                             f"data_fn's y_train holds label {labels - 1}")  # fmt: skip
 
 
 def _corruption(spec: str, data: LocalData):
@@ -247,4 +312,9 @@ def _attacked(context: Context, start: torch.Tensor, new: torch.Tensor, g: torch
 def _reported_loss(context: Context, loss: float) -> float:
     """The train_loss a node reports: its own, or the lie its role sets."""
     lie = node_role(context).get(LIE)
-    return float(lie) if lie is not None else loss
+    if lie is None:
+        return loss
+    try:
+        return float(lie)
+    except ValueError:
+        raise ValueError(f"{LIE} must be a number (the train_loss this node reports), got {lie!r}") from None
