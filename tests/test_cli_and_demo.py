@@ -251,6 +251,15 @@ def broken_manifest(tmp_path):
             ],
             r"--out .*c.csv: the results could not be written",  # (a FileExistsError traceback)
         ),
+        (
+            lambda t: [
+                "infer",
+                str(_write(t / "r_sources.csv", "a,b\n1,2\n2,2\n")),
+                "--out",
+                str(t / "r.csv"),
+            ],
+            r"--out .*r.csv writes .*r_sources.csv, which is the estimates file itself",  # (it overwrote it)
+        ),
         (lambda t: ["report", str(broken_manifest(t))], r"unreadable: .*m/manifest.json is empty"),
         (
             lambda t: ["demo", "--out", str(_write(t / "f", "")), "--rounds", "1", "--seeds", "1"],
@@ -266,6 +275,25 @@ def test_cli_errors_name_the_field_or_file_not_a_traceback(tmp_path, args, messa
     result = runner.invoke(app, args(tmp_path))
     assert result.exit_code != 0 and isinstance(result.exception, SystemExit)  # not an uncaught error
     assert re.search(message, result.output), result.output
+
+
+def test_infer_writes_both_results_or_neither(tmp_path):
+    """The per-source file's place was a folder: the consensus CSV was written before the error, a result
+    that looked complete. Now neither is written, and each is replaced whole when both can be."""
+    estimates = _write(tmp_path / "e.csv", "task,a,b,c\nt1,1,1.1,0.9\nt2,2,2.2,1.8\nt3,3,3.1,2.7\n")
+    (tmp_path / "c_sources.csv").mkdir()
+    result = runner.invoke(app, ["infer", str(estimates), "--out", str(tmp_path / "c.csv")])
+    assert result.exit_code == 2 and "c_sources.csv is a folder" in result.output
+    assert not (tmp_path / "c.csv").exists()
+    (tmp_path / "c_sources.csv").rmdir()
+    assert runner.invoke(app, ["infer", str(estimates), "--out", str(tmp_path / "c.csv")]).exit_code == 0
+    assert (tmp_path / "c.csv").read_text().startswith("task,consensus\nt1,")
+    assert (
+        (tmp_path / "c_sources.csv")
+        .read_text()
+        .startswith("source,tasks,noise,reliability,mean_weight\na,3,")
+    )
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_infer_that_stops_at_max_iter_warns_with_the_remedy_and_still_writes(tmp_path):

@@ -226,13 +226,15 @@ def infer(
     from rich.table import Table
 
     from fedtrust.inference import METHODS
-    from fedtrust.inference.csvio import answered, read_estimates, write_results
+    from fedtrust.inference.csvio import answered, read_estimates, results_paths, write_results
     from fedtrust.registry import UnknownNameError, lookup
 
     if out.is_dir():
         raise _fail(f"--out {out} is a folder; give the consensus CSV's file name (e.g. {out}/consensus.csv)")
-    if out.exists() and estimates.exists() and out.resolve() == estimates.resolve():
-        raise _fail(f"--out {out} is the estimates file itself; writing there would overwrite the input")
+    for path in results_paths(out):  # the consensus, and the per-source file beside it
+        if path.exists() and estimates.exists() and path.resolve() == estimates.resolve():
+            what = f"--out {out}" if path == out else f"--out {out} writes {path}, which"
+            raise _fail(f"{what} is the estimates file itself; writing there would overwrite the input")
     try:
         fn = lookup("method", METHODS, method)
         if latent_dim is not None and not method.startswith("icov"):

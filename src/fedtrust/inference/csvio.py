@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 
 import torch
 
+from fedtrust.checkpoint import atomic_write
 from fedtrust.inference.result import InferenceResult
 
 _ID_HEADERS = {"", "task", "id", "item", "task_id"}
@@ -110,41 +112,47 @@ def _number(text: str) -> float | None:
         return None
 
 
+def results_paths(out: str | Path) -> tuple[Path, Path]:
+    """Where :func:`write_results` writes: ``out`` and ``<out stem>_sources.csv`` beside it."""
+    out = Path(out)
+    return out, out.with_name(out.stem + "_sources.csv")
+
+
 def write_results(
     out: str | Path, tasks: list[str], sources: list[str], result: InferenceResult
 ) -> tuple[Path, Path]:
     """``out`` (task, consensus) and ``<out stem>_sources.csv`` (source, tasks, noise, reliability,
-    mean weight)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    mean weight). Both are refused before either is written when one of them is a folder, and each is
+    replaced whole (:func:`~fedtrust.checkpoint.atomic_write`): a failed write leaves no result that
+    looks complete beside an old or missing other half."""
+    paths = results_paths(out)
+    for path in paths:
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a folder")
     consensus = result.consensus.reshape(len(tasks), -1)
-    with open(out, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(
-            ["task"]
-            + (
-                ["consensus"]
-                if consensus.shape[1] == 1
-                else [f"consensus_{k}" for k in range(consensus.shape[1])]
-            )
-        )
-        for task, row in zip(tasks, consensus.tolist(), strict=True):
-            w.writerow([task, *(f"{v:.10g}" for v in row)])
-    per_source = out.with_name(out.stem + "_sources.csv")
-    with open(per_source, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["source", "tasks", "noise", "reliability", "mean_weight"])
-        for j, (source, (count, mean_weight)) in enumerate(zip(sources, answered(result), strict=True)):
-            w.writerow(
-                [
-                    source,
-                    count,
-                    f"{float(result.noise[j]):.6g}",
-                    f"{float(result.reliability[j]):.6g}",
-                    f"{mean_weight:.6g}",
-                ]
-            )
-    return out, per_source
+    names = (
+        ["consensus"] if consensus.shape[1] == 1 else [f"consensus_{k}" for k in range(consensus.shape[1])]
+    )
+    rows = [[task, *(f"{v:.10g}" for v in row)] for task, row in zip(tasks, consensus.tolist(), strict=True)]
+    per_source = [
+        [source, count, f"{float(result.noise[j]):.6g}", f"{float(result.reliability[j]):.6g}", f"{mean:.6g}"]
+        for j, (source, (count, mean)) in enumerate(zip(sources, answered(result), strict=True))
+    ]
+    texts = [
+        _csv(["task", *names], rows),
+        _csv(["source", "tasks", "noise", "reliability", "mean_weight"], per_source),
+    ]
+    for path, text in zip(paths, texts, strict=True):
+        atomic_write(path, text)
+    return paths
+
+
+def _csv(header: list[str], rows: list[list]) -> str:
+    buffer = io.StringIO(newline="")
+    w = csv.writer(buffer)
+    w.writerow(header)
+    w.writerows(rows)
+    return buffer.getvalue()
 
 
 def answered(result: InferenceResult) -> list[tuple[int, float]]:
