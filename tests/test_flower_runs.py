@@ -300,3 +300,17 @@ def test_a_strategy_started_again_starts_afresh():
         np.testing.assert_allclose(
             again.arrays[name].numpy(), fresh.arrays[name].numpy(), rtol=1e-5, atol=1e-6
         )
+
+
+def test_a_checkpoint_copied_from_another_run_directory_is_not_resumed(tmp_path, caplog):
+    """Each checkpoint keeps the hash of its round's record: another run's checkpoint of the same rule
+    and model, copied in, does not follow this run's records, and the run resumes from the one before."""
+    run(TrustStrategy(rule="median", run_dir=tmp_path / "a", **QUIET), federation(), rounds=2)
+    run(TrustStrategy(rule="median", run_dir=tmp_path / "b", **QUIET), federation(uneven=True), rounds=2)
+    (tmp_path / "a" / "checkpoint.safetensors").write_bytes(
+        (tmp_path / "b" / "checkpoint.safetensors").read_bytes()
+    )
+    again = TrustStrategy(rule="median", run_dir=tmp_path / "a", **QUIET)
+    run(again, federation(), rounds=3)
+    assert "checkpoint.safetensors does not follow round 2 of" in caplog.text
+    assert "resuming from round 1" in caplog.text and [r["round"] for r in again.history] == [1, 2, 3]

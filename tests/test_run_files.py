@@ -205,6 +205,20 @@ def test_a_checkpoint_the_rule_refuses_is_skipped(tmp_path, whole):
         assert strip_times(build_simulation(config()).run(store)) == whole
 
 
+def test_a_checkpoint_from_another_runs_folder_is_not_resumed(tmp_path, whole):
+    """Another run's checkpoint of the same round and model size, copied into this run's folder, was
+    resumed without a word (the run finished from the other run's model). A checkpoint keeps the hash of
+    its round's record: this one does not follow this run's round 2, so the run resumes from the start."""
+    other = crashed_run(tmp_path / "other", config(seed=7, rule={"name": "mean"}), at=3)
+    store = crashed_run(tmp_path, config(), at=3)
+    assert load_state(store.checkpoint_path)["after"] == store.record_digest(store.rounds()[1])
+    store.checkpoint_path.write_bytes(other.checkpoint_path.read_bytes())  # both after round 2
+    with pytest.warns(
+        RecoveryWarning, match=r"checkpoint.safetensors does not follow round 2 of .*another run's"
+    ):
+        assert strip_times(build_simulation(config()).run(store)) == whole
+
+
 @pytest.mark.parametrize(
     "damage, problem",
     [

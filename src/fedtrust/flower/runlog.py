@@ -60,6 +60,8 @@ class RunDirectory:
                     f"{path} is after round {done!r} but {self.store.rounds_path} reads back {len(records)}"
                 )
                 fault += f" ({problem})" if problem else ""
+            elif fault is None and not self.store.follows(state, records[:done]):
+                fault = f"{path} does not follow round {done} of {self.store.rounds_path}: another run's?"
             if fault is not None:
                 faults.append(fault)
                 continue
@@ -86,9 +88,10 @@ class RunDirectory:
         self.store.write_manifest({**manifest, "status": "running", "config": config})
 
     def commit(self, record: dict[str, Any], checkpoint: dict[str, Any]) -> None:
-        """The round's record, then the checkpoint after it (a crash between them redoes the round)."""
+        """The round's record, then the checkpoint after it (a crash between them redoes the round),
+        holding the record's hash: it is resumed only after this very record."""
         self.store.append_round(record)
-        self.store.save_checkpoint(checkpoint)
+        self.store.save_checkpoint({**checkpoint, "after": self.store.record_digest(record)})
 
     def interrupt(self, records: list[dict[str, Any]], rounds: int, error: BaseException) -> None:
         """The run stopped before its last round (the ServerApp raised, was interrupted): it stays

@@ -345,9 +345,8 @@ class Simulation:
                 if not diverged and t == self.rounds:  # before the last checkpoint: a resume cannot redo it
                     self._save_predictions(store)
                 if not diverged and (t % self.settings.checkpoint_every == 0 or t == self.rounds):
-                    store.save_checkpoint(
-                        {"round": t, "vector": self.vector, "rule_state": self.rule.state_dict()}
-                    )
+                    state = {"round": t, "vector": self.vector, "rule_state": self.rule.state_dict()}
+                    store.save_checkpoint({**state, "after": store.record_digest(record)})
                     # the time up to a checkpoint survives a kill: a resume adds its own to it
                     store.update_manifest(seconds=spent + time.perf_counter() - began)
             if on_round is not None:
@@ -371,7 +370,7 @@ class Simulation:
         done = 0
         for path, state, fault in store.checkpoints():
             if fault is None:
-                fault = self._restore(path, state, len(records))
+                fault = self._restore(store, path, state, records)
             if fault is None:
                 done = state["round"]
                 break
@@ -380,16 +379,22 @@ class Simulation:
             store.write_rounds(records[:done])
         return records[:done], notes
 
-    def _restore(self, path, state: dict[str, Any], readable: int) -> str | None:
+    def _restore(
+        self, store: RunStore, path, state: dict[str, Any], records: list[dict[str, Any]]
+    ) -> str | None:
         """Load a checkpoint's vector and rule state; None on success, else why it cannot be used (the
-        rule's ``load_state_dict`` checks its state before changing anything)."""
-        if not isinstance(state, dict) or set(state) != {"round", "vector", "rule_state"}:
+        rule's ``load_state_dict`` checks its state before changing anything). The checkpoint must follow
+        the readable ``records`` (:meth:`RunStore.follows`)."""
+        keys = {"round", "vector", "rule_state"}
+        if not isinstance(state, dict) or not keys <= set(state) <= keys | {"after"}:
             return f"{path} is not a checkpoint of a simulated run"
         t, vector = state["round"], state["vector"]
         if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= self.rounds:
             return f"{path} is for round {t!r}, not one of this run's rounds 1..{self.rounds}"
-        if t > readable:
-            return f"{path} is for round {t}, past the {readable} readable rounds of rounds.jsonl"
+        if t > len(records):
+            return f"{path} is for round {t}, past the {len(records)} readable rounds of rounds.jsonl"
+        if not store.follows(state, records[:t]):
+            return f"{path} does not follow round {t} of {store.rounds_path}: another run's?"
         fits = isinstance(vector, torch.Tensor) and vector.shape == self.vector.shape
         if not (fits and vector.is_floating_point() and bool(torch.isfinite(vector).all())):
             return f"{path}: its global vector is not {self.model.size} finite numbers"

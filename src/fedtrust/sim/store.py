@@ -306,6 +306,20 @@ class RunStore:
         """Replace rounds.jsonl by ``records`` (those of rounds 1..k that a resume keeps)."""
         atomic_write(self.rounds_path, "".join(json.dumps(r) + "\n" for r in records))
 
+    @staticmethod
+    def record_digest(record: dict[str, Any]) -> str:
+        """A short hash of a round's record as rounds.jsonl holds it: a checkpoint keeps the hash of the
+        record of its round, so that it is resumed only after these very records (a checkpoint copied
+        from another run's folder is not this run's, whatever its round)."""
+        return hashlib.sha256(json.dumps(record).encode()).hexdigest()[:16]
+
+    def follows(self, state: dict[str, Any], records: list[dict[str, Any]]) -> bool:
+        """Whether the checkpoint ``state`` follows ``records``, the readable records up to its round: the
+        hash it keeps (``after``) is that of the last of them. A checkpoint without one (written before
+        fedtrust kept it) is taken as it is."""
+        after = state.get("after")
+        return after is None or (bool(records) and after == self.record_digest(records[-1]))
+
     def append_round(self, record: dict[str, Any]) -> None:
         with open(self.rounds_path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
