@@ -186,6 +186,28 @@ def broken_manifest(tmp_path):
             lambda t: ["run", str(digits_config(t, "x", 1)), "--set", "train.lr=.inf"],
             r"x.yaml: train.lr: Input should be a finite number \(got inf\)",
         ),
+        (  # (a 675-line traceback from torch's allocator)
+            lambda t: [
+                "run",
+                str(digits_config(t, "x", 1)),
+                "--set",
+                "model={name: mlp, hidden: 1000000000000}",
+            ],
+            r"error: run: model: .*can't allocate memory.* \(nothing was run\)",
+        ),
+        (
+            lambda t: ["run", str(digits_config(t, "x", 1)), "--device", "cuda:99999999999999999999"],
+            r"train.device: 'cuda:99999999999999999999' is not a device torch can name",
+        ),
+        (
+            lambda t: [
+                "run",
+                str(digits_config(t, "x", 1)),
+                "--set",
+                "rule={name: icov_vb, latent_dim: 1000000000000}",
+            ],
+            r"rule: icov_vb: latent_dim must be <= 4096, got 1000000000000",  # (integer multiplication overflow)
+        ),
         (
             lambda t: ["infer", str(_write(t / "e.csv", "a,b\n1,2\n")), "--out", str(t)],
             "--out .* is a folder",

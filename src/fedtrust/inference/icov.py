@@ -211,10 +211,21 @@ def icov_loglik(
     return 0.5 * (-k * logdet - k * q.log() - quad).sum(), g
 
 
+#: The largest rank of the sources' shared errors ICOV takes: a low-rank model of correlated noise,
+#: whose D x D matrices a rank in the millions would not fit in memory (1e12 overflowed torch's sizes).
+LATENT_LIMIT = 4096
+
+
+def check_latent_dim(name: str, latent_dim) -> int:
+    """``latent_dim`` as an int in 1..:data:`LATENT_LIMIT`, or refused naming ``name``'s field."""
+    return check_int(f"{name}: latent_dim", latent_dim, minimum=1, maximum=LATENT_LIMIT)
+
+
 def _check_fit(name: str, latent_dim, max_iter, seed, init, **counts) -> None:
     """The options every ICOV fit takes, refused by name before any work."""
-    for field, value in {"latent_dim": latent_dim, "max_iter": max_iter, **counts}.items():
+    for field, value in {"max_iter": max_iter, **counts}.items():
         check_int(f"{name}: {field}", value, minimum=1)
+    check_latent_dim(name, latent_dim)
     check_int(f"{name}: seed", seed)
     if init is not None and not isinstance(init, dict):
         raise TypeError(f"{name}: init must be a dict of starting values or None, got {type(init).__name__}")

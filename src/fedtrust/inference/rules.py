@@ -70,7 +70,7 @@ from fedtrust.aggregators.state import (
     symmetric_positive_semidefinite,
 )
 from fedtrust.aggregators.sybils import SYBILS, Groups, all_identical, find_groups, grouping_pass
-from fedtrust.inference.icov import IcovMlePast, IcovVbPast, icov_mle, icov_vb, latent_init
+from fedtrust.inference.icov import IcovMlePast, IcovVbPast, check_latent_dim, icov_mle, icov_vb, latent_init
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
 from fedtrust.inference.result import ConvergenceWarning
 from fedtrust.inference.screen import screen
@@ -455,7 +455,7 @@ class IcovMLE(_WindowRule):
                  tol: float | None = None, seed: int = 0, sybils: str = "share",
                  weighting: str = "precision"):  # fmt: skip
         super().__init__(window, max_iter, tol, sybils, weighting)
-        self.latent_dim = check_int(f"{self.name}: latent_dim", latent_dim, minimum=1)
+        self.latent_dim = check_latent_dim(self.name, latent_dim)
         self.steps = check_int(f"{self.name}: steps", steps, minimum=1)
         self.seed = check_int(f"{self.name}: seed", seed)
 
@@ -528,7 +528,7 @@ class IcovVB(_WindowRule):
                  tol: float | None = None, seed: int = 0, sybils: str = "share",
                  weighting: str = "precision"):  # fmt: skip
         super().__init__(window, max_iter, tol, sybils, weighting)
-        self.latent_dim = check_int(f"{self.name}: latent_dim", latent_dim, minimum=1)
+        self.latent_dim = check_latent_dim(self.name, latent_dim)
         self.noise = check_choice(f"{self.name}: noise", noise, ("per_source", "shared"))
         self.seed = check_int(f"{self.name}: seed", seed)
 

@@ -18,7 +18,10 @@ def resolve_device(name: str) -> torch.device:
     A named device torch cannot use here is refused with the reason."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:  # an index past what torch reads (cuda:99999999999999999999)
+        raise ValueError(f"train.device: {name!r} is not a device torch can name ({exc})") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(

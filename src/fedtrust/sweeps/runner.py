@@ -110,7 +110,8 @@ def check_with_data(runs: list[tuple[str, ExperimentConfig]], datasets: _Dataset
                 data_corruption(c.corruption.name, dataset.input_shape, **c.corruption.options)
         except OSError:  # data that is not there: the run says so
             continue
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RuntimeError, MemoryError) as exc:  # (RuntimeError: torch's, as
+            # for 1e12 hidden units, "can't allocate memory: you tried to allocate 256000000000000 bytes")
             said = str(exc) if str(exc).startswith(f"{field}:") else f"{field}: {exc}"  # (not "data: data:")
             raise ConfigError(f"{label}: {said} (nothing was run)") from None
 
