@@ -1,6 +1,8 @@
 """Configs: a wrong key or value is reported with its path and the valid choices; sweeps expand to the
 Cartesian product; a sweep's runs are validated one by one."""
 
+import re
+
 import pytest
 import yaml
 
@@ -325,6 +327,44 @@ def test_only_true_and_false_are_booleans_as_in_yaml_1_2(tmp_path):
     path.write_text("name: t\nrule: {name: ivar_mle, sybils: off}\n")
     cfg = load(path, ["name=no"])
     assert cfg.rule.options["sybils"] == "off" and cfg.name == "no"
+
+
+def test_integers_are_read_as_yaml_1_2_reads_them(tmp_path):
+    """YAML 1.1 read seed: 010 as octal 8 (sweep folders seed=8, seed=9 for [010, 011]) and rounds: 1:30 as
+    sexagesimal 90; YAML 1.2 reads 10, and 1:30 and 1_000 are strings, refused as not integers."""
+    from fedtrust.registry import yaml_value
+
+    assert yaml_value("[010, 011, 0o17, 0x1F, -5, 1:30, 1_000, 0b11]") == [
+        10,
+        11,
+        15,
+        31,
+        -5,
+        "1:30",
+        "1_000",
+        "0b11",
+    ]
+    path = tmp_path / "c.yaml"
+    path.write_text("name: t\ntrain: {rounds: 1}\nsweep: {seed: [010, 011]}\n")
+    assert [label for label, _ in expand(load(path))] == ["seed=10", "seed=11"]
+    path.write_text("name: t\ntrain: {rounds: 1:30}\n")
+    with pytest.raises(ConfigError, match=r"train.rounds: Input should be a valid integer.*got '1:30'"):
+        load(path)
+
+
+def test_a_sweep_refuses_paths_that_set_each_other(tmp_path):
+    """sweep: {train.rounds: [1, 2], train: [{rounds: 3}]} ran 3 rounds in both runs, whose folders said 1
+    and 2; a swept 'sweep' key was a run of its own. Both are refused, naming the paths."""
+    path = tmp_path / "c.yaml"
+    for sweep, message in [
+        ("{train.rounds: [1, 2], train: [{rounds: 3}]}", "train.rounds and train are swept both"),
+        ("{rule: [{name: mean}], rule.name: [median]}", "rule and rule.name are swept both"),
+        ("{seed+train.rounds: [[0, 1]], train.rounds: [2]}", "train.rounds and train.rounds are swept both"),
+        ("{sweep: [{train.rounds: [1, 2]}]}", "sweep.sweep: a sweep cannot sweep the sweep"),
+    ]:
+        path.write_text(f"name: t\nsweep: {sweep}\n")
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load(path)
 
 
 def test_set_refuses_a_path_the_sweep_sets(tmp_path):

@@ -68,9 +68,10 @@ def check_options(kind: str, name: str, builder: Callable, options: Mapping[str,
 
 def yaml_value(text: str) -> Any:
     """YAML text read as data, as every config and spec is read, with YAML 1.2's scalars: ``1e-6`` and
-    ``1E5`` are numbers (PyYAML, a YAML 1.1 reader, keeps them strings unless written ``1.0e-6``) and only
-    true/false are booleans (``sybils: off`` is the string 'off', not YAML 1.1's False). A key given
-    twice in one mapping is refused (YAML forbids it; PyYAML would keep the last silently)."""
+    ``1E5`` are numbers (PyYAML, a YAML 1.1 reader, keeps them strings unless written ``1.0e-6``), only
+    true/false are booleans (``sybils: off`` is the string 'off', not YAML 1.1's False), ``010`` is ten
+    (not 1.1's octal 8) and ``1:30`` and ``1_000`` are strings (1.1 read 90 and 1000). A key given twice
+    in one mapping is refused (YAML forbids it; PyYAML would keep the last silently)."""
     import yaml
 
     return yaml.load(text, Loader=_loader())  # noqa: S506 - a SafeLoader subclass
@@ -93,19 +94,38 @@ def _loader():
                 seen[key] = key_node.start_mark.line
             return super().construct_mapping(node, deep=deep)
 
-    bool_tag = "tag:yaml.org,2002:bool"
+    # YAML 1.2's core schema for booleans, integers and floats in place of 1.1's: no yes/no/on/off
+    # booleans, no octal 010 (it is 10), no sexagesimal 1:30 (90 in 1.1: a string), no 1_000 (a string)
+    replaced = {f"tag:yaml.org,2002:{kind}" for kind in ("bool", "int", "float")}
     Loader.yaml_implicit_resolvers = {
-        first: [(tag, regexp) for tag, regexp in resolvers if tag != bool_tag]
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in replaced]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
-    yaml_12_bools = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
-    Loader.add_implicit_resolver(bool_tag, yaml_12_bools, list("tTfF"))
+    digits = list("-+0123456789")
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+    )
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), digits
+    )
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-        list("-+0123456789."),
+        re.compile(
+            r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*|[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+)"
+            r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+        ),
+        [*digits, "."],
     )
+    Loader.add_constructor("tag:yaml.org,2002:int", _yaml_12_int)
     return Loader
+
+
+def _yaml_12_int(loader, node) -> int:
+    """An integer as YAML 1.2 reads it: decimal (a leading 0 included), 0o octal or 0x hexadecimal."""
+    text = loader.construct_scalar(node)
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)
 
 
 def parse_spec(text: str) -> tuple[str, dict[str, Any]]:

@@ -361,6 +361,16 @@ def expand(cfg: ExperimentConfig, where: str = "") -> list[tuple[str, Experiment
                     raise ConfigError(
                         f"{where}sweep.{key}[{n}]: needs {len(parts)} values (one per path), got {value!r}"
                     )
+    paths = [p for key in keys for p in key.split("+")]
+    for i, path in enumerate(paths):
+        if path == "sweep" or path.startswith("sweep."):
+            raise ConfigError(f"{where}sweep.{path}: a sweep cannot sweep the sweep; list its paths directly")
+        clash = next((p for p in paths[:i] if p == path or p in _parents(path) or path in _parents(p)), None)
+        if clash is not None:  # one would set the other again in every run: labels naming what did not run
+            raise ConfigError(
+                f"{where}sweep: {clash} and {path} are swept both, and one sets the other in every run; "
+                "sweep one of them (a section's values can hold the other's)"
+            )
     runs = []
     for combo in itertools.product(*(cfg.sweep[k] for k in keys)):
         tree = copy.deepcopy(base)
