@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import itertools
 import re
+import reprlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -160,6 +161,12 @@ def validator_reason(error: dict) -> str:
     return error["msg"].removeprefix("Value error, ")
 
 
+#: A value in an error message, cut short: a YAML alias bomb (nine lines of nested aliases) as seed: gave
+#: a message of 3.85 MB, and its full repr grows ninefold a level.
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 3, 80, 80, 80  # (3.11 takes no options)
+
+
 def _format(error: dict, where: str) -> str:
     loc = tuple(str(p) for p in error["loc"])
     path = ".".join(loc) or "(top level)"
@@ -170,7 +177,7 @@ def _format(error: dict, where: str) -> str:
     reason = validator_reason(error)
     if "got " in reason:  # the validator named the value itself
         return f"{where}{path}: {reason}"
-    return f"{where}{path}: {reason} (got {error.get('input')!r})"
+    return f"{where}{path}: {reason} (got {_SHORT.repr(error.get('input'))})"
 
 
 def _check_components(cfg: ExperimentConfig, where: str) -> None:
