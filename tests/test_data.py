@@ -335,8 +335,17 @@ def test_bad_loader_options_are_named_with_their_value(tmp_path):
             r"notes.json is not a LEAF file",
         ),
         (lambda: build_model("mlp", load_digits(), hidden="abc"), r"hidden must be a width or a list"),
+        # (these failed in numpy: "negative dimensions are not allowed", a ZeroDivisionError in the first
+        # evaluation, "'<' not supported between instances of 'int' and 'str'", a pathlib TypeError)
+        (lambda: cubic_toy(workers=-3), r"cubic_toy: workers must be >= 1, got -3"),
+        (lambda: cubic_toy(test_points=0), r"cubic_toy: test_points must be >= 1, got 0"),
+        (lambda: cubic_toy(points="x"), r"cubic_toy: points must be an integer, got 'x'"),
+        (lambda: synthetic_linear(overlap="a"), r"synthetic_linear: overlap must be a number, got 'a'"),
+        (lambda: load_idx(5), r"idx: directory must be a folder's path, got 5"),
+        (lambda: load_idx(tmp_path, num_classes="ten"), r"idx: num_classes must be an integer, got 'ten'"),
+        (lambda: load_idx(tmp_path, num_classes=2.5), r"idx: num_classes must be an integer, got 2.5"),
     ]:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises((ValueError, TypeError), match=message):
             call()
 
 
@@ -351,14 +360,14 @@ def test_malformed_files_are_refused_naming_the_file_and_the_value(tmp_path):
     rng = np.random.default_rng(0)
     images, labels = rng.integers(0, 256, (6, 4, 4)), rng.integers(0, 10, 6)
 
-    def idx_folder(name, train_labels=labels, test_images=images[:2], gz=False):
+    def idx_folder(name, train_labels=labels, test_images=images[:2], gz=False, test_labels=labels[:2]):
         folder = tmp_path / name
         folder.mkdir()
         for stem, array in [
             ("train-images-idx3-ubyte", images),
             ("train-labels-idx1-ubyte", train_labels),
             ("t10k-images-idx3-ubyte", test_images),
-            ("t10k-labels-idx1-ubyte", labels[:2]),
+            ("t10k-labels-idx1-ubyte", test_labels),
         ]:
             write_idx(folder / stem, array, gz)  # fmt: skip
         return folder
@@ -387,7 +396,16 @@ def test_malformed_files_are_refused_naming_the_file_and_the_value(tmp_path):
          r"nan.csv: 1 cells are not finite numbers, the first at line 3, column 'a': 'nan'"),
         (lambda: load_csv(csv("label.csv", "a,y\n1,0\n2,inf\n3,0\n"), target="y"), r"column 'y': 'inf'"),
         (lambda: load_csv(csv("ragged.csv", "a,y\n1,0\n2\n"), target="y"), r"line 3 has 1 cells, the header 2"),
-        (lambda: load_csv(csv("one.csv", "a,y\n1,0\n"), target="y"), r"test_fraction 0.2 of 1 rows leaves"),
+        (lambda: load_csv(csv("one.csv", "a,y\n1,0\n"), target="y", task="regression"),
+         r"test_fraction 0.2 of 1 rows leaves"),
+        # (these loaded and ran to "finished": accuracy 0 with no features, 1 with one class; the first of
+        # two "y" columns was the target and the second a feature)
+        (lambda: load_csv(csv("only.csv", "y\n0\n1\n0\n1\n"), target="y"), r"'y' is the only column; there are no"),
+        (lambda: load_csv(csv("same.csv", "a,y\n1,0\n2,0\n3,0\n"), target="y"),
+         r"every row's 'y' is 0; classification needs two or more classes"),
+        (lambda: load_csv(csv("dup.csv", "a,y,y\n1,0,1\n2,1,0\n"), target="y"), r"column 'y' is named twice"),
+        (lambda: load_idx(idx_folder("none", test_images=images[:0], test_labels=labels[:0])),
+         r"t10k-images-idx3-ubyte holds no images"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             call()

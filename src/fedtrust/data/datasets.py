@@ -67,6 +67,8 @@ class Dataset:
                                  f"0..{self.num_classes - 1}")  # fmt: skip
         if len(self.x_train) == 0:
             raise ValueError(f"{where}: no training rows")
+        if self.x_train.shape[1] == 0:
+            raise ValueError(f"{where}: no features (each row has 0 columns); a model has nothing to read")
         if self.x_test.shape[1] != self.x_train.shape[1]:
             raise ValueError(f"{where}: test rows have {self.x_test.shape[1]} features, training rows "
                              f"{self.x_train.shape[1]}")  # fmt: skip
@@ -189,6 +191,9 @@ def _find_idx(directory: Path, stem: str) -> Path | None:
 def load_idx(directory: str | Path, name: str = "mnist", num_classes: int = 10) -> Dataset:
     """Any MNIST-format directory: train/t10k image and label IDX files (plain or .gz); 8-bit pixels to
     [0, 1] (images stored as other IDX types are read as they are)."""
+    if not isinstance(directory, str | Path):
+        raise ValueError(f"idx: directory must be a folder's path, got {directory!r}")
+    num_classes = check_int("idx: num_classes", num_classes, minimum=2)
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         raise DatasetNotFound(f"IDX folder {directory} does not exist (looked at {directory.resolve()}; a "
@@ -206,6 +211,8 @@ def load_idx(directory: str | Path, name: str = "mnist", num_classes: int = 10) 
         if x.ndim < 2 or len(x) != len(y):
             raise ValueError(f"{files[f'x_{split}']} holds {len(x)} images (shape {x.shape}) but "
                              f"{files[f'y_{split}']} {len(y)} labels")  # fmt: skip
+        if len(x) == 0:
+            raise ValueError(f"{files[f'x_{split}']} holds no images")
     images = arrays["x_train"]
     shape = (1, *images.shape[1:])
 
@@ -396,8 +403,7 @@ def synthetic_linear(
     if len(noise) != parties:
         raise ValueError(f"synthetic_linear: noise needs one level per party ({parties}), got {len(noise)}")
     noise = [check_float(f"synthetic_linear: noise[{j}]", v, minimum=0.0) for j, v in enumerate(noise)]
-    if not 0.0 <= overlap <= 1.0:
-        raise ValueError(f"synthetic_linear: overlap must be in [0, 1], got {overlap}")
+    overlap = check_float("synthetic_linear: overlap", overlap, minimum=0.0, maximum=1.0)
     rng = np.random.default_rng(seed)
     beta = rng.normal(size=dim)
     shared = int(round(overlap * samples))
@@ -435,6 +441,9 @@ def cubic_toy(
     """The FedAG toy: x ~ U[-4, 4], y = x^3 + N(0, 3^2), ``workers`` x ``points`` training points; the test
     inputs cover [-6, 6] (the paper's prediction range) with noise-free targets. Targets standardised
     for training unless ``standardize_targets`` is False (metrics stay in the original units)."""
+    for field, value, least in (("workers", workers, 1), ("points", points, 1),
+                                ("test_points", test_points, 1), ("seed", seed, 0)):  # fmt: skip
+        check_int(f"cubic_toy: {field}", value, minimum=least)
     rng = np.random.default_rng(seed)
     x = rng.uniform(-4, 4, size=workers * points)
     y = x**3 + rng.normal(0, 3, size=x.shape)
@@ -478,8 +487,13 @@ def load_csv(
     header, body = rows[0], [r for r in rows[1:] if r]
     if not body:
         raise ValueError(f"{path}: a header and no data rows")
+    twice = next((name for k, name in enumerate(header) if name in header[:k]), None)
+    if twice is not None:  # (the first of two "label" columns was the target, the second a feature)
+        raise ValueError(f"{path}: column {twice!r} is named twice in the header; name each column once")
     if target not in header:
         raise ValueError(f"{path}: no column {target!r}; columns are {header}")
+    if len(header) == 1:
+        raise ValueError(f"{path}: the target {target!r} is the only column; there are no features")
     t = header.index(target)
     for line, row in enumerate(body, start=2):
         if len(row) != len(header):
@@ -500,6 +514,9 @@ def load_csv(
     if task != "classification":
         raise ValueError(f"load_csv: task must be 'classification' or 'regression', got {task!r}")
     classes, labels = np.unique(y, return_inverse=True)
+    if len(classes) < 2:
+        raise ValueError(f"{path}: every row's {target!r} is {classes[0]:g}; classification needs two or "
+                         "more classes")  # fmt: skip
     tr, te = _split(len(y), test_fraction, seed)
     mean, std = x[tr].mean(0), x[tr].std(0)
     std[std < 1e-8] = 1.0
