@@ -155,6 +155,7 @@ def test_rerunning_a_name_with_another_config_is_refused_with_the_keys_and_the_r
 
 
 def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
 
@@ -290,6 +291,18 @@ def broken_manifest(tmp_path):
         (
             lambda t: ["flower-credentials", "--out", str(_write(t / "f", ""))],
             "--out .*/f is a file",  # (a FileExistsError traceback)
+        ),
+        (  # (cryptography's "Attribute's length must be >= 1 and <= 64" traceback)
+            lambda t: ["flower-credentials", "--out", str(t / "c"), "--host", ""],
+            "host '' is neither an IP address nor a DNS name",
+        ),
+        (
+            lambda t: ["flower-credentials", "--out", str(t / "c"), "--host", "999.1.1.1"],
+            "host '999.1.1.1' reads as an IP address but is not one",  # (it was taken as a DNS name)
+        ),
+        (  # (a MalformedFraming traceback)
+            lambda t: ["flower-credentials", "--out", str(_write(t / "c" / "server.pem", "junk").parent)],
+            r"c/server.pem is not a readable server certificate .*--force makes a new CA",
         ),
     ],
 )

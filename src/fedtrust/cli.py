@@ -366,15 +366,23 @@ def flower_credentials(
         _write_credentials(out, host, nodes, force)
     except OSError as exc:  # a folder that cannot be written
         raise _fail(str(exc)) from None
+    except ValueError as exc:  # a --host no certificate can hold; a damaged server.pem to keep
+        raise _fail(str(exc)) from None
 
 
 def _write_credentials(out: Path, host: list[str], nodes: int, force: bool) -> None:
     """``flower-credentials``' work: the CA and certificate unless kept, then the SuperNode key pairs."""
-    from fedtrust.flower.credentials import certificate_hosts, supernode_keys, tls_certificates
+    from fedtrust.flower.credentials import certificate_hosts, check_host, supernode_keys, tls_certificates
 
+    for name in host:  # before anything is written
+        check_host(name)
     pem = out / "server.pem"
     if pem.exists() and not force:
-        had = certificate_hosts(pem)
+        try:
+            had = certificate_hosts(pem)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; --force makes a new CA and certificate (every SuperNode then needs the "
+                             "new ca.crt)") from None  # fmt: skip
         if sorted(had) != sorted(host):
             raise _fail(f"{pem} is for hosts {', '.join(had)}, not {', '.join(host)}; --force makes a new "
                         "CA and certificate (every SuperNode then needs the new ca.crt)")  # fmt: skip

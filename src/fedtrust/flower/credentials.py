@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import re
 from pathlib import Path
 
 from cryptography import x509
@@ -43,6 +44,8 @@ def tls_certificates(
     ``root-certificates = "ca.crt"``."""
     if not hosts:
         raise ValueError("tls_certificates: hosts must name at least one host name or IP address")
+    for host in hosts:
+        check_host(host)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.UTC)
@@ -92,10 +95,35 @@ def tls_certificates(
     return paths
 
 
+#: A DNS name (RFC 1123): dot-separated labels of letters, digits and inner hyphens, 1-63 characters each.
+_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+
+
+def check_host(host: str) -> str:
+    """``host`` when it is an IP address or a DNS name a certificate can hold; else a ValueError naming
+    it (an empty name, 'a b/c', or 999.1.1.1, which reads as an IPv4 address and is not one)."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    if not (0 < len(host) <= 253 and all(_LABEL.match(label) for label in labels)):
+        raise ValueError(f"host {host!r} is neither an IP address nor a DNS name (letters, digits and "
+                         "hyphens in dot-separated parts)")  # fmt: skip
+    if all(label.isdigit() for label in labels):
+        raise ValueError(f"host {host!r} reads as an IP address but is not one")
+    return host
+
+
 def certificate_hosts(path: str | Path) -> list[str]:
-    """The host names and IP addresses a certificate (PEM) is valid for."""
-    cert = x509.load_pem_x509_certificate(Path(path).read_bytes())
-    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    """The host names and IP addresses a certificate (PEM) is valid for; a ValueError naming the file
+    when it holds no readable certificate with them."""
+    try:
+        cert = x509.load_pem_x509_certificate(Path(path).read_bytes())
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound) as exc:
+        raise ValueError(f"{path} is not a readable server certificate ({exc})") from None
     return [
         str(v) for v in names.get_values_for_type(x509.IPAddress) + names.get_values_for_type(x509.DNSName)
     ]
