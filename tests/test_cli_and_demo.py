@@ -262,6 +262,10 @@ def broken_manifest(tmp_path):
             r"e.csv, line 3: task 't0' is also on line 2; each task needs its own id",
         ),
         (
+            lambda t: ["infer", str(_write(t / "e.csv", "task,a,b\nt1,1,2\nt2,,\nt3,2,3\n"))],
+            r"e.csv, line 3: task 't2' has no estimate \(every cell of its row is blank\)",  # ("task 1 has no")
+        ),
+        (
             lambda t: ["infer", str(_write(t / "e.csv", "a,b\n1,2\n")), "--out", str(t / "e.csv")],
             r"--out .*e.csv is the estimates file itself",
         ),

@@ -86,6 +86,11 @@ def read_estimates(path: str | Path) -> tuple[list[str], list[str], torch.Tensor
             f"{path}: source {empty[0]!r} has no estimate (every cell of its column is blank); drop its "
             "column, since nothing can be said of its reliability"
         )
+    blank = x.isnan().all(1).tolist() if sources else []  # (no sources: the caller says so)
+    if any(blank):
+        task = tasks[blank.index(True)]
+        raise ValueError(f"{path}, line {task_line[task]}: task {task!r} has no estimate (every cell of its "
+                         "row is blank); drop the row or give it an estimate")  # fmt: skip
     return tasks, sources, x
 
 
