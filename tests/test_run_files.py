@@ -480,6 +480,8 @@ def test_a_run_computed_from_other_data_under_the_same_path_is_computed_again(tm
     csv.unlink()
     (gone,) = run_experiment(cfg, tmp_path / "out", progress=False)
     assert gone.status == "failed" and gone.final is None and str(csv.name) in gone.error
+    manifest = RunStore(gone.directory).manifest()  # the old run's final metrics were kept beside "failed"
+    assert manifest["status"] == "failed" and manifest["final"] is None and manifest["finished"] is None
     write(x[:, 1] > 0)
     back = run_experiment(cfg, tmp_path / "out", progress=False)[0]
     assert back.status == "finished" and back.final == again.final

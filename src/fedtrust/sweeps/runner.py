@@ -474,7 +474,14 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
         sim.run(store, identity, on_round=lambda r: bar.advance(1, label))
     except Exception as exc:  # noqa: BLE001 - a broken run must not take the sweep down
         error = f"{type(exc).__name__}: {exc}"
-        store.update_manifest(**identity, status="failed", error=error, traceback=traceback.format_exc())
+        store.update_manifest(  # (a result an earlier session wrote is not this run's: not kept beside it)
+            **identity,
+            status="failed",
+            error=error,
+            traceback=traceback.format_exc(),
+            final=None,
+            finished=None,
+        )
         return RunOutcome(label, store.dir, "failed", error=error)
     m = store.manifest() or {}
     status = "failed" if sim.failure else "finished"
