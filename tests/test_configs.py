@@ -407,6 +407,10 @@ def test_a_folder_or_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
         ),
         ({"corruption": {"name": "dba", "parts": 100, "fraction": 0.5}}, r"seed=0: corruption: .*parts 100"),
         (
+            {"corruption": {"name": "label_flip", "target": 99, "fraction": 0.5}},
+            r"seed=0: corruption: corruption label_flip: target 99 is not a class \(0..9\)",
+        ),
+        (
             {"data": {"name": "digits", "clients": 4, "test_fraction": 0.001}},
             r"seed=0: data: test_fraction 0.001 of 1797 rows leaves 1795 training and 2 test rows; the split "
             r"is stratified .* \(nothing was run\)$",

@@ -19,7 +19,7 @@ from fedtrust.attacks import ATTACKS
 from fedtrust.checkpoint import CorruptFileError, digest
 from fedtrust.cores import usable_cores
 from fedtrust.data import DATASETS
-from fedtrust.data.corruptions import DATA_CORRUPTIONS, data_corruption
+from fedtrust.data.corruptions import DATA_CORRUPTIONS, corrupt, data_corruption
 from fedtrust.data.partition import PARTITIONERS
 from fedtrust.models import build_model
 from fedtrust.progress import Progress
@@ -86,13 +86,14 @@ class _DatasetCache:
 
 def check_with_data(runs: list[tuple[str, ExperimentConfig]], datasets: _DatasetCache) -> None:
     """The option values that only a dataset can check (a model's sizes, a data corruption's trigger in the
-    images, the data's own values such as a test split too small to stratify or synthetic_linear's noise
-    levels), once per distinct (data, model, corruption) of the sweep, before any run starts: the config
-    check knows their names, not whether -5 hidden units or a 100-part trigger fit. A ConfigError names
-    the first run and the field. A data file that is there but cannot be read as the data (a CSV cut to
-    its header) is refused the same way, since every run on it would fail alike; data that is not there
-    (:class:`~fedtrust.data.datasets.DatasetNotFound`, any other OS error) is left to the runs, which fail
-    saying why, so that a sweep over several data sets runs those that are present."""
+    images or its target among the classes, the data's own values such as a test split too small to
+    stratify or synthetic_linear's noise levels), once per distinct (data, model, corruption) of the sweep,
+    before any run starts: the config check knows their names, not whether -5 hidden units or a 100-part
+    trigger fit. A ConfigError names the first run and the field. A data file that is there but cannot be
+    read as the data (a CSV cut to its header) is refused the same way, since every run on it would fail
+    alike; data that is not there (:class:`~fedtrust.data.datasets.DatasetNotFound`, any other OS error)
+    is left to the runs, which fail saying why, so that a sweep over several data sets runs those that
+    are present."""
     seen = set()
     for label, c in runs:
         parts = (c.data, c.model, c.corruption)
@@ -107,7 +108,11 @@ def check_with_data(runs: list[tuple[str, ExperimentConfig]], datasets: _Dataset
             build_model(c.model.name, dataset, **c.model.options)
             if c.corruption.name in DATA_CORRUPTIONS:
                 field = "corruption"
-                data_corruption(c.corruption.name, dataset.input_shape, **c.corruption.options)
+                made = data_corruption(c.corruption.name, dataset.input_shape, **c.corruption.options)
+                # on two rows: what only the labels can refuse (label_flip's target 99 of 10 classes,
+                # target_noise on class labels)
+                corrupt(made, dataset.x_train[:2], dataset.y_train[:2], dataset.num_classes, 1.0,
+                        torch.Generator().manual_seed(0), client=0)  # fmt: skip
         except OSError:  # data that is not there: the run says so
             continue
         except (ValueError, TypeError, RuntimeError, MemoryError) as exc:  # (RuntimeError: torch's, as
