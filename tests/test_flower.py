@@ -288,6 +288,27 @@ def test_client_evaluation_is_averaged_and_bad_evaluations_skipped():
     assert 0.5 < evaluation["accuracy"] <= 1.0 and math.isfinite(evaluation["loss"])
 
 
+def test_one_nodes_odd_metric_does_not_take_it_from_the_others():
+    """A node sending acc as [0.9, 0.8] where three sent a number blanked acc for every node (the metric
+    was dropped from all); it is now averaged over the three, weighted by num-examples, and the odd node
+    named. A key fewer than half the nodes hold in one form (cm) is the round's for no one."""
+    from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+    from fedtrust.flower.replies import Reply, metric_groups
+
+    sent = [{"num-examples": 10, "acc": 0.9, "cm": [1, 2]}, {"num-examples": 10, "acc": [0.9, 0.8], "cm": [1, 2, 3]},
+            {"num-examples": 30, "acc": 0.5}, {"num-examples": 10, "acc": 0.7}]  # fmt: skip
+    replies = [
+        Reply(100 + k, f"n{k}", m, RecordDict({"metrics": MetricRecord(m)})) for k, m in enumerate(sent)
+    ]
+    groups, left_out = metric_groups(replies, "num-examples")
+    assert left_out == {"acc": ["n1"], "cm": ["n0", "n1", "n2", "n3"]}
+    (group,) = groups
+    assert aggregate_metricrecords(group, "num-examples")["acc"] == pytest.approx((9 + 15 + 7) / 50)
+    agreeing = replies[2:]
+    assert metric_groups(agreeing, "num-examples") == ([[r.content for r in agreeing]], {})  # as received
+
+
 def test_strategy_rejects_bad_setup():
     with pytest.raises(ValueError, match="unknown rule 'krumm'"):
         TrustStrategy(rule="krumm")

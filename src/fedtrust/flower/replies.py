@@ -15,6 +15,7 @@ to (``identity="name"``).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -165,22 +166,44 @@ def _label(name: str, node: int, taken: dict[str, str]) -> str:
     return name if name not in taken else f"{name} (node {node})"
 
 
-def shared_metrics(replies: Sequence[Reply]) -> tuple[list[RecordDict], list[str]]:
-    """The replies' contents with each MetricRecord cut to the keys every reply has in the same form
-    (a number, or a list of numbers of one length), as Flower's metric aggregation functions need; and
-    the keys left out. When the replies agree (the normal case) the contents go through as received."""
-    forms = [{k: _form(v) for k, v in r.metrics.items()} for r in replies]
-    keys = [k for k in forms[0] if forms[0][k] is not None and all(f.get(k) == forms[0][k] for f in forms)]
-    left_out = sorted(set().union(*forms) - set(keys))
-    if not left_out:
-        return [r.content for r in replies], []
-    contents = []
-    for r in replies:
-        content = RecordDict(dict(r.content.items()))
-        (record_key,) = r.content.metric_records
-        content[record_key] = MetricRecord({k: r.metrics[k] for k in keys})
-        contents.append(content)
-    return contents, left_out
+def metric_groups(replies: Sequence[Reply], weighted_by_key: str) -> tuple[list[list[RecordDict]], dict]:
+    """The replies' contents in groups for Flower's metric aggregation, which needs every record it averages
+    to hold the same keys in one form (a number, or a list of numbers of one length), and the metrics
+    left out of some replies (metric -> their names).
+
+    When the replies agree (the normal case) there is one group, the contents as received. Otherwise each
+    metric is averaged over the replies that hold it in the form most of them give, when those are more
+    than half the round (one node's odd or missing value does not take the metric from everyone, and a
+    key one node adds is not the round's) and their ``weighted_by_key`` counts add up to more than 0; the
+    metrics averaged over the same replies go as one group of contents cut to them and
+    ``weighted_by_key``."""
+    forms = [{k: _form(v) for k, v in r.metrics.items() if k != weighted_by_key} for r in replies]
+    if all(f == forms[0] for f in forms) and None not in forms[0].values():
+        return [[r.content for r in replies]], {}
+    members: dict[tuple[int, ...], list[str]] = {}
+    left_out: dict[str, list[str]] = {}
+    for key in dict.fromkeys(k for f in forms for k in f):
+        held = [f.get(key) for f in forms]
+        counts = Counter(form for form in held if form is not None)
+        form, most = max(counts.items(), key=lambda item: item[1], default=(None, 0))
+        chosen = tuple(i for i, h in enumerate(held) if h == form) if 2 * most > len(replies) else ()
+        if sum(replies[i].number(weighted_by_key) for i in chosen) <= 0:  # nothing to weigh them by
+            chosen = ()
+        if len(chosen) < len(replies):
+            left_out[key] = [r.name for i, r in enumerate(replies) if i not in chosen]
+        if chosen:
+            members.setdefault(chosen, []).append(key)
+    groups = []
+    for chosen, keys in members.items():
+        contents = []
+        for i in chosen:
+            content = RecordDict(dict(replies[i].content.items()))
+            (record_key,) = replies[i].content.metric_records
+            metrics = replies[i].metrics
+            content[record_key] = MetricRecord({k: metrics[k] for k in (weighted_by_key, *keys)})
+            contents.append(content)
+        groups.append(contents)
+    return groups, left_out
 
 
 def numbers_in_all(replies: Sequence[Reply], but: str) -> list[str]:

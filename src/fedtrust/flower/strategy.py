@@ -21,7 +21,7 @@ from flwr.supercore import log
 
 from fedtrust.aggregators import Round, RoundRefused
 from fedtrust.flower.arrays import ArrayLayout, MalformedReply
-from fedtrust.flower.replies import Reply, display_names, numbers_in_all, screen, shared_metrics
+from fedtrust.flower.replies import Reply, display_names, metric_groups, numbers_in_all, screen
 from fedtrust.flower.runlog import RunDirectory
 from fedtrust.models import FlatModel
 from fedtrust.registry import parse_spec
@@ -514,10 +514,14 @@ class TrustStrategy(FedAvg):
         if not accepted or sum(r.number(self.weighted_by_key) for r in accepted) <= 0:
             log(WARNING, "%s: every reply has %s = 0; no metrics to aggregate", where, self.weighted_by_key)
             return {}
-        contents, left_out = shared_metrics(accepted)
+        groups, left_out = metric_groups(accepted, self.weighted_by_key)
         if left_out:
-            log(WARNING, "%s: metrics not every reply has in one form were left out: %s", where, left_out)
-        return dict(aggregate(contents, self.weighted_by_key))
+            log(WARNING, "%s: metrics some replies do not hold in the form most give were averaged without "
+                "them (metric: the replies left out): %s", where, left_out)  # fmt: skip
+        metrics: dict[str, Any] = {}
+        for contents in groups:  # (one group unless the replies disagree)
+            metrics.update(aggregate(contents, self.weighted_by_key))
+        return metrics
 
     # ------------------------------------------------------------------ evaluation
 
