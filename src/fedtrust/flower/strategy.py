@@ -494,12 +494,12 @@ class TrustStrategy(FedAvg):
 
     def _aggregate_metrics(self, accepted: list[Reply], aggregate: MetricsAggregation, where: str) -> dict:
         """The replies' MetricRecords through Flower's aggregation function (``FedAvg``'s by default), each
-        metric over the replies holding it in the form most give (:func:`~fedtrust.flower.replies.
-        metric_groups`; all of them, at once, when they agree); a reply holding a non-finite number is left out (one NaN loss
-        would make the round's NaN), and so is one whose count is beyond the rounds' dtype, as training
-        quarantines it (two nodes claiming 1e308 examples made the total inf, and every weighted metric
-        inf / inf, which Flower's FedAvg reported as 0.0); nothing when the counts sum to zero (nothing to
-        weight by)."""
+        metric over the replies holding it in the form most give (all of them at once when they agree:
+        :func:`~fedtrust.flower.replies.metric_groups`); a reply holding a non-finite number is left out
+        (one NaN loss would make the round's NaN), and so is one whose count is beyond the rounds' dtype,
+        as training quarantines it (two nodes claiming 1e308 examples made the total inf, and every
+        weighted metric inf / inf, which Flower's FedAvg reported as 0.0); nothing when the counts sum to
+        zero (nothing to weight by)."""
         dtype = self._round_dtype
         limit, kind = float(torch.finfo(dtype).max), str(dtype).removeprefix("torch.")
         finite = [r for r in accepted if _finite_metrics(r.metrics)]
