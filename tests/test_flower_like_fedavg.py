@@ -151,6 +151,8 @@ def test_options_as_numpy_scalars_and_a_rule_with_its_options_in_one_string_are_
     )
     assert (s.rule.name, s.rule.options()["f"]) == ("trimmed_mean", 0.2)
     assert (type(s.fraction_train), s.fraction_train, type(s.min_available_nodes)) == (float, 0.5, int)
+    with pytest.raises(ValueError, match=r"TrustStrategy.start: timeout must be seconds > 0, got '60'"):
+        s.start(grid=None, initial_arrays=None, num_rounds=1, timeout="60")
     with pytest.raises(ValueError, match="option 'f' is given both in rule= and rule_options="):
         TrustStrategy(rule="trimmed_mean(f=0.2)", rule_options={"f": 0.1})
     with pytest.raises(ValueError, match=r"fraction_train must be a fraction in \[0, 1\], got '0.5' \(str\)"):

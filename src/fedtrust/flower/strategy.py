@@ -218,6 +218,9 @@ class TrustStrategy(FedAvg):
         result then holds every round's metrics."""
         if isinstance(num_rounds, bool) or not isinstance(num_rounds, int) or num_rounds < 0:
             raise ValueError(f"num_rounds must be a whole number >= 0, got {num_rounds!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, Real) or not timeout > 0:  # ("60": nodes
+            # trained the first round before Flower's timeout arithmetic failed)
+            raise ValueError(f"TrustStrategy.start: timeout must be seconds > 0, got {timeout!r}")
         if not isinstance(initial_arrays, ArrayRecord):
             raise TypeError(
                 "TrustStrategy.start: initial_arrays must be a flwr.app.ArrayRecord (for a torch model, "
