@@ -334,16 +334,13 @@ def test_integers_are_read_as_yaml_1_2_reads_them(tmp_path):
     sexagesimal 90; YAML 1.2 reads 10, and 1:30 and 1_000 are strings, refused as not integers."""
     from fedtrust.registry import yaml_value
 
-    assert yaml_value("[010, 011, 0o17, 0x1F, -5, 1:30, 1_000, 0b11]") == [
-        10,
-        11,
-        15,
-        31,
-        -5,
-        "1:30",
-        "1_000",
-        "0b11",
-    ]
+    numbers = [10, 11, 15, 31, -5, "1:30", "1_000", "0b11"]
+    assert yaml_value("[010, 011, 0o17, 0x1F, -5, 1:30, 1_000, 0b11]") == numbers
+    assert yaml_value("[.5e3, -.5e-3, 1., 1e5, 2.5]") == [500.0, -0.0005, 1.0, 1e5, 2.5]  # floats as before
+    path = tmp_path / "long.yaml"
+    path.write_text("name: t\nseed: 0" + "0" * 5000 + "1\n")  # (Python's bare digit-limit ValueError)
+    with pytest.raises(ConfigError, match=r"long.yaml.*integer 0000.*Exceeds the limit \(4300 digits\)"):
+        load(path)
     path = tmp_path / "c.yaml"
     path.write_text("name: t\ntrain: {rounds: 1}\nsweep: {seed: [010, 011]}\n")
     assert [label for label, _ in expand(load(path))] == ["seed=10", "seed=11"]

@@ -111,7 +111,7 @@ def _loader():
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
         re.compile(
-            r"^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*|[0-9]+(?:\.[0-9]*)?[eE][-+]?[0-9]+)"
+            r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
             r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
         ),
         [*digits, "."],
@@ -122,10 +122,17 @@ def _loader():
 
 def _yaml_12_int(loader, node) -> int:
     """An integer as YAML 1.2 reads it: decimal (a leading 0 included), 0o octal or 0x hexadecimal."""
+    import yaml
+
     text = loader.construct_scalar(node)
-    if text.startswith(("0o", "0x")):
-        return int(text[2:], 8 if text[1] == "o" else 16)
-    return int(text, 10)
+    try:
+        if text.startswith(("0o", "0x")):
+            return int(text[2:], 8 if text[1] == "o" else 16)
+        return int(text, 10)
+    except ValueError as exc:  # more digits than Python converts (4300)
+        raise yaml.constructor.ConstructorError(
+            None, None, f"integer {text[:20]}...: {exc}", node.start_mark
+        ) from None
 
 
 def parse_spec(text: str) -> tuple[str, dict[str, Any]]:
