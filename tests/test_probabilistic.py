@@ -111,8 +111,9 @@ def test_linear_closed_form_matches_monte_carlo():
 
 
 def test_the_data_noise_is_the_trusted_clients_residual_variance():
-    """Eq 6's 1/beta from the clients' training residuals, pooled by sample count; with robust FedAG's
-    trust, three of ten clients with noisy targets (sd 3 against the others' 0.5) have no say in it."""
+    """Eq 6's 1/beta from the clients' training residuals, pooled by sample count, or weighed by the round's
+    trust: with robust FedAG's, three of ten clients with noisy targets (sd 3 against the others' 0.5)
+    have no say in it."""
     data = synthetic_linear(parties=3, samples=30, dim=4)
     model = build_model("linear", data)
     at = torch.zeros(model.size)  # predicts 0: the residuals are the targets
@@ -124,6 +125,9 @@ def test_the_data_noise_is_the_trusted_clients_residual_variance():
     assert noise_precision(model, at, clients) == pytest.approx(340 / pooled, rel=1e-6)
     trust = torch.tensor([1 / 7] * 7 + [0.0] * 3)
     assert noise_precision(model, at, clients, trust) == pytest.approx(7 / sum(sq[:7]), rel=1e-6)
+    # a count-weighted rule's trust (FedAvg's n_k / N) pools by count once, not by n_k squared
+    shares = torch.tensor([40.0] * 7 + [20.0] * 3) / 340
+    assert noise_precision(model, at, clients, shares) == pytest.approx(340 / pooled, rel=1e-6)
     assert 1 / noise_precision(model, at, clients, trust) == pytest.approx(0.25, rel=0.15)
 
 

@@ -132,13 +132,15 @@ def noise_precision(
 ) -> float:
     """beta = 1 / the residual variance of ``at`` on the clients' training data (eq 6's noise precision,
     read from the training data as the paper's Sec. 4 does): each client reports its mean squared
-    residual, and the server pools them by sample count times the client's trust ``weights`` (equal by
-    default: every sample counts alike). With robust FedAG's trust, a client the rule sets aside (weight 0)
-    has no say in the data noise either: three of ten clients with noisy targets would otherwise set it."""
+    residual, and the server averages them with ``weights``, the clients' trust in the round (as the rule
+    weighs their models: a count-weighted rule's trust already holds the counts), or by sample count
+    when none are given (every sample counts alike). With robust FedAG's trust, a client the rule sets
+    aside (weight 0) has no say in the data noise either: three of ten clients with noisy targets would
+    otherwise set it. A client without rows has none."""
     with torch.no_grad():
         mse = torch.tensor(
             [float(((model.forward(at, x).reshape(-1) - y) ** 2).mean()) if len(y) else 0.0 for x, y in data]
         )
     counts = torch.tensor([len(y) for _, y in data], dtype=torch.float64)
-    w = counts if weights is None else weights.detach().to(torch.float64).cpu() * counts
+    w = counts if weights is None else weights.detach().to(torch.float64).cpu() * (counts > 0)
     return float(w.sum() / (w * mse.to(torch.float64)).sum().clamp_min(1e-12))

@@ -111,7 +111,7 @@ class FedAGPredictive(TestSetMetrics):
 
     def noise_precision(self, vector: torch.Tensor) -> float:
         """beta of eq 6 at ``vector``: the latest posterior's clients' residual variance on their training
-        data, each client counted by its samples and its trust in that round (:func:`noise_precision`)."""
+        data, each client weighed by its trust in that round, as its model is (:func:`noise_precision`)."""
         return noise_precision(self.model, vector, self._data, self.posterior.weights)
 
     def predictions(self, t: int, vector: torch.Tensor):
