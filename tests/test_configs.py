@@ -50,6 +50,10 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
             {"corruption": {"lie": {"metric": "x", "valu": 1}}},
             r"corruption.lie.valu: unknown key 'valu'; valid keys here: metric, value",
         ),
+        (  # (the front door quarantines a loss below 0: the experiment would not measure the lie)
+            {"corruption": {"lie": {"value": -1.0}}},
+            r"corruption.lie.value: Input should be greater than or equal to 0 \(got -1.0\)",
+        ),
         # a Byzantine budget no round of the config can meet: refused before any client trains
         (
             {"data": {"clients": 10}, "rule": {"name": "krum", "f": 50}},

@@ -307,6 +307,10 @@ def test_one_nodes_odd_metric_does_not_take_it_from_the_others():
     assert aggregate_metricrecords(group, "num-examples")["acc"] == pytest.approx((9 + 15 + 7) / 50)
     agreeing = replies[2:]
     assert metric_groups(agreeing, "num-examples") == ([[r.content for r in agreeing]], {})  # as received
+    # a user's own function (it may count its records, or combine metrics) is called once, on every reply
+    (group,), left_out = metric_groups(replies, "num-examples", per_metric=False)
+    assert len(group) == 4 and all(set(c["metrics"]) == {"num-examples"} for c in group)
+    assert left_out == {"acc": ["n0", "n1", "n2", "n3"], "cm": ["n0", "n1", "n2", "n3"]}
 
 
 def test_strategy_rejects_bad_setup():
@@ -431,6 +435,18 @@ def test_a_nodes_local_data_is_refused_naming_the_field(fields, message):
         LocalData(**{"x_train": X, "y_train": Y, "x_test": X, "y_test": Y, "num_classes": 10, **fields})
 
 
+def test_local_data_takes_what_a_node_may_well_give():
+    """int32 labels (numpy's default int on Windows) become int64, which cross-entropy takes (they failed
+    in the first loss); a column of regression targets is read as one target per row; no test rows at all
+    (torch.empty(0)) is a node without a test split."""
+    from fedtrust.flower import LocalData
+
+    d = LocalData(X.numpy(), Y.numpy().astype(np.int32), torch.empty(0), torch.empty(0), 10)
+    assert d.y_train.dtype == torch.int64 and d.x_test.shape == (0, 64) and d.y_test.shape == (0,)
+    r = LocalData(X, X[:, :1], X, X[:, :1])
+    assert r.y_train.shape == r.y_test.shape == (12,)
+
+
 def test_a_node_whose_model_does_not_fit_its_data_or_the_arrays_answers_with_an_error_naming_it():
     from fedtrust.flower import LocalData
 
@@ -476,13 +492,17 @@ def test_credentials_make_a_verifiable_tls_chain_and_supernode_keys(tmp_path):
 
     from fedtrust.flower.credentials import supernode_keys, tls_certificates
 
-    paths = tls_certificates(tmp_path, ["127.0.0.1", "superlink.example.org"])
+    paths = tls_certificates(tmp_path, ["127.0.0.1", "superlink.example.org", "*.example.org", "superlink_1"])
     ca = x509.load_pem_x509_certificate(paths["ca.crt"].read_bytes())
     server = x509.load_pem_x509_certificate(paths["server.pem"].read_bytes())
     server.verify_directly_issued_by(ca)
     names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
-    assert names.get_values_for_type(x509.DNSName) == ["superlink.example.org"]
+    assert names.get_values_for_type(x509.DNSName) == [
+        "superlink.example.org",
+        "*.example.org",
+        "superlink_1",
+    ]
     assert paths["server.key"].stat().st_mode & 0o077 == 0  # the private key is not world-readable
     private, public = supernode_keys(tmp_path, "node-1")
     key = load_ssh_private_key(private.read_bytes(), None)

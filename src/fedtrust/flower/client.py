@@ -42,6 +42,10 @@ class LocalData:
         for split in ("train", "test"):
             x = _tensor(f"LocalData: x_{split}", getattr(self, f"x_{split}"))
             y = _tensor(f"LocalData: y_{split}", getattr(self, f"y_{split}"))
+            if split == "test" and x.numel() == 0 and y.numel() == 0:  # no test rows (torch.empty(0) too)
+                x, y = self.x_train[:0], self.y_train[:0]
+            if y.dim() == 2 and y.shape[1] == 1:  # a column of targets, (rows, 1)
+                y = y.reshape(-1)
             if x.dim() < 2 or not x.is_floating_point():
                 raise ValueError(f"LocalData: x_{split} must be a floating (rows, features...) array, got "
                                  f"{x.dtype} of shape {tuple(x.shape)}")  # fmt: skip
@@ -56,6 +60,7 @@ class LocalData:
                     i = int(outside[0])
                     raise ValueError(f"LocalData: y_{split}[{i}] = {int(y[i])} is not a class of "
                                      f"0..{self.num_classes - 1}")  # fmt: skip
+                y = y.long()  # (int32 labels, numpy's default on Windows: cross-entropy takes int64)
             setattr(self, f"x_{split}", x)
             setattr(self, f"y_{split}", y)
         if len(self.x_train) == 0:
@@ -263,7 +268,7 @@ def _check_fit(model: FlatModel, data: LocalData) -> None:
     try:
         with torch.no_grad():
             out = model.forward(torch.zeros(model.size), data.x_train[:1])
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
         raise ValueError(f"this node's model (model_fn's) cannot take its rows (data_fn's x_train, of shape "
                          f"{tuple(data.x_train.shape[1:])} each): {exc}") from None  # fmt: skip
     if model.task == "classification":

@@ -95,22 +95,24 @@ def tls_certificates(
     return paths
 
 
-#: A DNS name (RFC 1123): dot-separated labels of letters, digits and inner hyphens, 1-63 characters each.
-_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+#: A host name's label: letters, digits, inner hyphens (RFC 1123) and underscores (Docker service names
+#: such as superlink_1), 1-63 characters.
+_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
 
 
 def check_host(host: str) -> str:
-    """``host`` when it is an IP address or a DNS name a certificate can hold; else a ValueError naming
-    it (an empty name, 'a b/c', or 999.1.1.1, which reads as an IPv4 address and is not one)."""
+    """``host`` when it is an IP address or a DNS name a certificate can hold (a wildcard ``*.example.org``
+    too); else a ValueError naming it (an empty name, 'a b/c', or 999.1.1.1, which reads as an IPv4
+    address and is not one)."""
     try:
         ipaddress.ip_address(host)
         return host
     except ValueError:
         pass
-    labels = host.removesuffix(".").split(".")
+    labels = host.removeprefix("*.").removesuffix(".").split(".")  # (a wildcard name: *.example.org)
     if not (0 < len(host) <= 253 and all(_LABEL.match(label) for label in labels)):
-        raise ValueError(f"host {host!r} is neither an IP address nor a DNS name (letters, digits and "
-                         "hyphens in dot-separated parts)")  # fmt: skip
+        raise ValueError(f"host {host!r} is neither an IP address nor a DNS name (letters, digits, "
+                         "hyphens and underscores in dot-separated parts)")  # fmt: skip
     if all(label.isdigit() for label in labels):
         raise ValueError(f"host {host!r} reads as an IP address but is not one")
     return host

@@ -166,7 +166,9 @@ def _label(name: str, node: int, taken: dict[str, str]) -> str:
     return name if name not in taken else f"{name} (node {node})"
 
 
-def metric_groups(replies: Sequence[Reply], weighted_by_key: str) -> tuple[list[list[RecordDict]], dict]:
+def metric_groups(
+    replies: Sequence[Reply], weighted_by_key: str, per_metric: bool = True
+) -> tuple[list[list[RecordDict]], dict]:
     """The replies' contents in groups for Flower's metric aggregation, which needs every record it averages
     to hold the same keys in one form (a number, or a list of numbers of one length), and the metrics
     left out of some replies (metric -> their names).
@@ -176,17 +178,21 @@ def metric_groups(replies: Sequence[Reply], weighted_by_key: str) -> tuple[list[
     than half the round (one node's odd or missing value does not take the metric from everyone, and a
     key one node adds is not the round's) and their ``weighted_by_key`` counts add up to more than 0; the
     metrics averaged over the same replies go as one group of contents cut to them and
-    ``weighted_by_key``."""
+    ``weighted_by_key``. Without ``per_metric`` (a user's aggregation function, which may combine
+    metrics, or count its records) there is one group of every reply, cut to the metrics all of them
+    hold in one form."""
     forms = [{k: _form(v) for k, v in r.metrics.items() if k != weighted_by_key} for r in replies]
     if all(f == forms[0] for f in forms) and None not in forms[0].values():
         return [[r.content for r in replies]], {}
-    members: dict[tuple[int, ...], list[str]] = {}
+    everyone = tuple(range(len(replies)))
+    members: dict[tuple[int, ...], list[str]] = {} if per_metric else {everyone: []}
     left_out: dict[str, list[str]] = {}
     for key in dict.fromkeys(k for f in forms for k in f):
         held = [f.get(key) for f in forms]
         counts = Counter(form for form in held if form is not None)
         form, most = max(counts.items(), key=lambda item: item[1], default=(None, 0))
-        chosen = tuple(i for i, h in enumerate(held) if h == form) if 2 * most > len(replies) else ()
+        enough = most == len(replies) or (per_metric and 2 * most > len(replies))
+        chosen = tuple(i for i, h in enumerate(held) if h == form) if enough else ()
         if sum(replies[i].number(weighted_by_key) for i in chosen) <= 0:  # nothing to weigh them by
             chosen = ()
         if len(chosen) < len(replies):

@@ -145,7 +145,7 @@ def _resolved(rule: Any) -> Any:
     name, options = rule["name"], {k: v for k, v in rule.items() if k != "name"}
     try:
         built = build_rule(name, **options)
-    except (ValueError, TypeError):
+    except Exception:  # noqa: BLE001 - a name or options it cannot build (a user's builder): as recorded
         return rule
     return _plain({"name": name, **built.options()})
 

@@ -17,6 +17,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Result
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log
 
 from fedtrust.aggregators import Round, RoundRefused
@@ -497,7 +498,8 @@ class TrustStrategy(FedAvg):
 
     def _aggregate_metrics(self, accepted: list[Reply], aggregate: MetricsAggregation, where: str) -> dict:
         """The replies' MetricRecords through Flower's aggregation function (``FedAvg``'s by default), each
-        metric over the replies holding it in the form most give (all of them at once when they agree:
+        metric over the replies holding it in the form most give (all of them at once when they agree, and
+        with a function of the user's, once, on the metrics every reply holds in one form:
         :func:`~fedtrust.flower.replies.metric_groups`); a reply holding a non-finite number is left out
         (one NaN loss would make the round's NaN), and so is one whose count is beyond the rounds' dtype,
         as training quarantines it (two nodes claiming 1e308 examples made the total inf, and every
@@ -518,7 +520,7 @@ class TrustStrategy(FedAvg):
         if not accepted or sum(r.number(self.weighted_by_key) for r in accepted) <= 0:
             log(WARNING, "%s: every reply has %s = 0; no metrics to aggregate", where, self.weighted_by_key)
             return {}
-        groups, left_out = metric_groups(accepted, self.weighted_by_key)
+        groups, left_out = metric_groups(accepted, self.weighted_by_key, aggregate is aggregate_metricrecords)
         if left_out:
             log(WARNING, "%s: metrics some replies do not hold in the form most give were averaged without "
                 "them (metric: the replies left out): %s", where, left_out)  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -127,9 +128,9 @@ def write_results(
     out: str | Path, tasks: list[str], sources: list[str], result: InferenceResult
 ) -> tuple[Path, Path]:
     """``out`` (task, consensus) and ``<out stem>_sources.csv`` (source, tasks, noise, reliability,
-    mean weight). Both are refused before either is written when one of them is a folder, and each is
-    replaced whole (:func:`~fedtrust.checkpoint.atomic_write`): a failed write leaves no result that
-    looks complete beside an old or missing other half."""
+    mean weight). Both are refused before either is written when one of them is a folder, and both are
+    written in full (to temporary files beside them) before either replaces what is there: a write that
+    fails (a full disk) leaves the old results, not a new consensus beside an old per-source file."""
     paths = results_paths(out)
     for path in paths:
         if path.is_dir():
@@ -147,8 +148,15 @@ def write_results(
         _csv(["task", *names], rows),
         _csv(["source", "tasks", "noise", "reliability", "mean_weight"], per_source),
     ]
-    for path, text in zip(paths, texts, strict=True):
-        atomic_write(path, text)
+    temporary = [path.with_name(f".{path.name}.{os.getpid()}.tmp") for path in paths]
+    try:  # both written in full before either replaces what is there
+        for path, text in zip(temporary, texts, strict=True):
+            atomic_write(path, text)
+        for tmp, path in zip(temporary, paths, strict=True):
+            os.replace(tmp, path)
+    finally:
+        for tmp in temporary:
+            tmp.unlink(missing_ok=True)
     return paths
 
 

@@ -95,7 +95,11 @@ class ModelConfig(_Component):
 class LieConfig(Settings):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     metric: Literal["train_loss"] = Field("train_loss", description="the one metric simulated clients report")
-    value: float = 0.0
+    value: float = Field(
+        0.0,
+        ge=0.0,
+        description="the loss they report; a loss below 0 would be quarantined, so not a lie told",
+    )
 
 
 class AttackConfig(_Component):

@@ -101,10 +101,14 @@ def check_with_data(runs: list[tuple[str, ExperimentConfig]], datasets: _Dataset
         if key in seen:
             continue
         seen.add(key)
-        field = "data"
         try:
             dataset = datasets.get(c.data.name, c.data.options)
-            field = "model"
+        except REFUSED as exc:
+            raise _refused(label, "data", exc) from None
+        except Exception:  # noqa: BLE001 - not there (an OSError), or the data set's own failure: the runs
+            continue  # say why
+        field = "model"
+        try:
             build_model(c.model.name, dataset, **c.model.options)
             if c.corruption.name in DATA_CORRUPTIONS:
                 field = "corruption"
@@ -113,12 +117,18 @@ def check_with_data(runs: list[tuple[str, ExperimentConfig]], datasets: _Dataset
                 # target_noise on class labels)
                 corrupt(made, dataset.x_train[:2], dataset.y_train[:2], dataset.num_classes, 1.0,
                         torch.Generator().manual_seed(0), client=0)  # fmt: skip
-        except OSError:  # data that is not there: the run says so
-            continue
-        except (ValueError, TypeError, RuntimeError, MemoryError) as exc:  # (RuntimeError: torch's, as
-            # for 1e12 hidden units, "can't allocate memory: you tried to allocate 256000000000000 bytes")
-            said = str(exc) if str(exc).startswith(f"{field}:") else f"{field}: {exc}"  # (not "data: data:")
-            raise ConfigError(f"{label}: {said} (nothing was run)") from None
+        except REFUSED as exc:
+            raise _refused(label, field, exc) from None
+
+
+#: What a component's option values raise when they cannot hold (RuntimeError: torch's, as for 1e12 hidden
+#: units, "can't allocate memory: you tried to allocate 256000000000000 bytes").
+REFUSED = (ValueError, TypeError, RuntimeError, MemoryError)
+
+
+def _refused(label: str, field: str, exc: BaseException) -> ConfigError:
+    said = str(exc) if str(exc).startswith(f"{field}:") else f"{field}: {exc}"  # (not "data: data:")
+    return ConfigError(f"{label}: {said} (nothing was run)")
 
 
 def build_simulation(
@@ -486,6 +496,7 @@ def _run_one(cfg, index, label, run_cfg, store: RunStore, datasets, bar, rounds:
             traceback=traceback.format_exc(),
             final=None,
             finished=None,
+            not_aggregated=None,
         )
         return RunOutcome(label, store.dir, "failed", error=error)
     m = store.manifest() or {}
