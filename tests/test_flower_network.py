@@ -209,6 +209,12 @@ def test_flower_run_reads_every_run_config_it_is_given():
     with pytest.raises(ValueError, match=r"--nodes 3 is below the app's min-nodes \(99\)"):
         checked_run_config(APP, 3, ["min-nodes=2", "min-nodes=99"])  # the later value wins, as in Flower
     checked_run_config(APP, 3, ["min-nodes=99", "min-nodes=3"])
+    # of the kind the app declares: min-nodes=3.0 passed and failed inside the ServerApp (flwr run exits 0)
+    with pytest.raises(ValueError, match=r"min-nodes=3.0: .* declares min-nodes = 3; give a whole number"):
+        checked_run_config(APP, 3, "min-nodes=3.0")
+    with pytest.raises(ValueError, match=r"rule=3: .* declares rule = 'ivar_vb'; give a string, quoted"):
+        checked_run_config(APP, 3, "rule=3")
+    checked_run_config(APP, 3, "learning-rate=1 fraction-train=1")  # a whole number where a float is declared
     result = CliRunner().invoke(
         app,
         ["flower-run", str(APP), "--nodes", "3", "--run-config", "bogus=1", "--run-config", "min-nodes=2"],

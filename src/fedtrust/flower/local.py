@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 BIN = Path(sys.executable).parent
 NUL = b"\0"
@@ -206,11 +207,29 @@ def checked_run_config(app: Path, nodes: int, run_config: str | Sequence[str] | 
         raise ValueError(
             f"--run-config: {app} declares no key {unknown[0]!r}; its keys: {', '.join(declared)}"
         )
+    for key, value in given.items():  # the kind the app declares (min-nodes=3.0 failed in the ServerApp)
+        if not _same_kind(value, declared[key]):
+            raise ValueError(f"--run-config {key}={value!r}: {app} declares {key} = {declared[key]!r}; give "
+                             f"{_KINDS.get(type(declared[key]), type(declared[key]).__name__)}")  # fmt: skip
     least = given.get("min-nodes", declared.get("min-nodes"))
     if isinstance(least, int) and not isinstance(least, bool) and nodes < least:
         raise ValueError(f"--nodes {nodes} is below the app's min-nodes ({least}): the run would wait for "
                          f"{least - nodes} more for ever; give --nodes {least} or set "
                          f"min-nodes={nodes}")  # fmt: skip
+
+
+_KINDS = {bool: "true or false", int: "a whole number (3, not 3.0)", float: "a number",
+          str: 'a string, quoted (key="value")'}  # fmt: skip
+
+
+def _same_kind(value: Any, declared: Any) -> bool:
+    """Whether a run-config value is of the kind its declared default is (an int where a float is
+    declared too; a bool is no number here)."""
+    if isinstance(declared, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(declared, bool)
+    if isinstance(declared, float):
+        return isinstance(value, int | float)
+    return type(value) is type(declared)
 
 
 def simulate(
