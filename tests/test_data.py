@@ -404,6 +404,11 @@ def test_malformed_files_are_refused_naming_the_file_and_the_value(tmp_path):
         (lambda: load_csv(csv("same.csv", "a,y\n1,0\n2,0\n3,0\n"), target="y"),
          r"every row's 'y' is 0; classification needs two or more classes"),
         (lambda: load_csv(csv("dup.csv", "a,y,y\n1,0,1\n2,1,0\n"), target="y"), r"column 'y' is named twice"),
+        # (reported as "x_train has 1 non-finite values ... nan": the float32 cast made them)
+        (lambda: load_csv(csv("huge.csv", "a,y\n1,0\n1e308,1\n3,0\n"), target="y"),
+         r"huge.csv: line 3, column 'a': '1e308' is beyond float32's range \(3.4e\+38\)"),
+        (lambda: load_csv(csv("huge_y.csv", "a,y\n1,2\n2,1e300\n3,0\n"), target="y", task="regression"),
+         r"line 3, column 'y': '1e300' is beyond float32's range"),
         (lambda: load_idx(idx_folder("none", test_images=images[:0], test_labels=labels[:0])),
          r"t10k-images-idx3-ubyte holds no images"),
     ]:  # fmt: skip

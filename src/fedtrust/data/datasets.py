@@ -507,6 +507,13 @@ def load_csv(
         (row, col), cell = bad[0], body[bad[0][0]][bad[0][1]]
         raise ValueError(f"{path}: {len(bad)} cells are not finite numbers, the first at line {row + 2}, "
                          f"column {header[col]!r}: {cell!r}")  # fmt: skip
+    limit = float(np.finfo(np.float32).max)  # (1e308 became inf or NaN in float32, blamed on the file)
+    read = [c for c in range(len(header)) if c != t or task == "regression"]  # (labels are only names)
+    big = np.argwhere(np.abs(values[:, read]) > limit)
+    if len(big):
+        row, col = big[0][0], read[big[0][1]]
+        raise ValueError(f"{path}: line {row + 2}, column {header[col]!r}: {body[row][col]!r} is beyond "
+                         f"float32's range ({limit:.3g}), which the models compute in")  # fmt: skip
     y, x = values[:, t], np.delete(values, t, axis=1)
     if task == "regression":
         tr, te = _split(len(y), test_fraction, seed)
