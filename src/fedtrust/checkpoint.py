@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CorruptFileError", "atomic_write", "load_state", "save_state"]
+__all__ = ["CorruptFileError", "atomic_write", "atomic_write_all", "load_state", "save_state"]
 
 FORMAT = "fedtrust-state/1"
 
@@ -36,15 +36,29 @@ class CorruptFileError(ValueError):
 def atomic_write(path: str | Path, data: bytes | str) -> None:
     """Replace ``path`` by ``data`` so that readers, and a crash at any point, see the old or the new
     content, never a part."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data.encode() if isinstance(data, str) else data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    sync_folder(path.parent)
+    atomic_write_all({path: data})
+
+
+def atomic_write_all(files: dict[str | Path, bytes | str]) -> None:
+    """Replace each path of ``files`` by its data, every one written in full (to a temporary file beside
+    it) before any is replaced: a write that fails (a full disk) leaves every old file, not a new one
+    beside an old one. A crash between the replacements can still leave some replaced."""
+    temporary = {}
+    try:
+        for path, data in files.items():
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = temporary[path] = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as fh:
+                fh.write(data.encode() if isinstance(data, str) else data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        for path, tmp in temporary.items():
+            os.replace(tmp, path)
+            sync_folder(path.parent)
+    finally:
+        for tmp in temporary.values():
+            tmp.unlink(missing_ok=True)
 
 
 def sync_folder(folder: Path) -> None:

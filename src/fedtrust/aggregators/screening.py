@@ -143,11 +143,9 @@ def _screen_scalars(round: Round, requires: Sequence[str], rule: str) -> dict[in
                 f"{rule} needs metric {name!r} in Round.metrics; got {sorted(round.metrics) or 'none'}"
             )
         values = round.metrics[name]
-        below = (
-            (values < 0) & torch.isfinite(values) if name in LOSSES else torch.zeros_like(values, dtype=bool)
-        )
-        for i in torch.nonzero(below).flatten().tolist():
-            bad.setdefault(i, negative_loss(name, values[i].item()))
+        if name in LOSSES:
+            for i in torch.nonzero((values < 0) & torch.isfinite(values)).flatten().tolist():
+                bad.setdefault(i, negative_loss(name, values[i].item()))
         for i in torch.nonzero(~torch.isfinite(values)).flatten().tolist():
             value = values[i].item()
             # metrics take the updates' dtype: an infinite one may have been a finite value beyond its range

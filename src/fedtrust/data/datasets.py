@@ -59,12 +59,8 @@ class Dataset:
             _check_finite(f"{where}: x_{split}", x)
             if self.num_classes is None:
                 _check_finite(f"{where}: y_{split} (regression targets)", y)
-            elif y.is_floating_point() or y.dtype == torch.bool:
-                raise ValueError(f"{where}: y_{split} must hold integer class labels, got {y.dtype}")
-            elif len(y) and not 0 <= int(y.min()) <= int(y.max()) < self.num_classes:
-                bad = int(torch.nonzero((y < 0) | (y >= self.num_classes))[0])
-                raise ValueError(f"{where}: y_{split}[{bad}] = {int(y[bad])} is not a class of "
-                                 f"0..{self.num_classes - 1}")  # fmt: skip
+            else:
+                check_labels(f"{where}: y_{split}", y, self.num_classes)
         if len(self.x_train) == 0:
             raise ValueError(f"{where}: no training rows")
         if self.x_train.shape[1] == 0:
@@ -99,6 +95,16 @@ class Dataset:
         shift, scale = float(self.y_train.mean()), float(self.y_train.std()) or 1.0
         return replace(self, y_train=(self.y_train - shift) / scale, y_test=(self.y_test - shift) / scale,
                        y_shift=shift, y_scale=scale)  # fmt: skip
+
+
+def check_labels(field: str, y: torch.Tensor, num_classes: int) -> None:
+    """Refuse, naming ``field`` and the first bad entry, class labels that are not integers in
+    0..num_classes-1."""
+    if y.is_floating_point() or y.dtype == torch.bool:
+        raise ValueError(f"{field} must hold integer class labels, got {y.dtype}")
+    if len(y) and not 0 <= int(y.min()) <= int(y.max()) < num_classes:
+        bad = int(torch.nonzero((y < 0) | (y >= num_classes))[0])
+        raise ValueError(f"{field}[{bad}] = {int(y[bad])} is not a class of 0..{num_classes - 1}")
 
 
 def _check_finite(field: str, t: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from flwr.clientapp import ClientApp
 from fedtrust._checks import check_float, check_int
 from fedtrust.attacks import AttackContext, attack
 from fedtrust.data.corruptions import corrupt, data_corruption
+from fedtrust.data.datasets import check_labels
 from fedtrust.flower.arrays import ArrayLayout
 from fedtrust.flower.replies import NAME_LIMIT, NODE_RECORD
 from fedtrust.models import FlatModel
@@ -53,13 +54,7 @@ class LocalData:
                 raise ValueError(f"LocalData: y_{split} must hold one label per row of x_{split} ({len(x)}), "
                                  f"got shape {tuple(y.shape)}")  # fmt: skip
             if self.num_classes is not None:
-                if y.is_floating_point() or y.dtype == torch.bool:
-                    raise ValueError(f"LocalData: y_{split} must hold integer class labels, got {y.dtype}")
-                outside = torch.nonzero((y < 0) | (y >= self.num_classes)).flatten()
-                if len(outside):
-                    i = int(outside[0])
-                    raise ValueError(f"LocalData: y_{split}[{i}] = {int(y[i])} is not a class of "
-                                     f"0..{self.num_classes - 1}")  # fmt: skip
+                check_labels(f"LocalData: y_{split}", y, self.num_classes)
                 y = y.long()  # (int32 labels, numpy's default on Windows: cross-entropy takes int64)
             setattr(self, f"x_{split}", x)
             setattr(self, f"y_{split}", y)

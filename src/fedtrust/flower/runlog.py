@@ -91,7 +91,7 @@ class RunDirectory:
         """The round's record, then the checkpoint after it (a crash between them redoes the round),
         holding the record's hash: it is resumed only after this very record."""
         self.store.append_round(record)
-        self.store.save_checkpoint({**checkpoint, "after": self.store.record_digest(record)})
+        self.store.save_checkpoint(checkpoint, after=record)
 
     def interrupt(self, records: list[dict[str, Any]], rounds: int, error: BaseException) -> None:
         """The run stopped before its last round (the ServerApp raised, was interrupted): it stays

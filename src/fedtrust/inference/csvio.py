@@ -5,12 +5,11 @@ from __future__ import annotations
 import csv
 import io
 import math
-import os
 from pathlib import Path
 
 import torch
 
-from fedtrust.checkpoint import atomic_write
+from fedtrust.checkpoint import atomic_write_all
 from fedtrust.inference.result import InferenceResult
 
 _ID_HEADERS = {"", "task", "id", "item", "task_id"}
@@ -129,8 +128,8 @@ def write_results(
 ) -> tuple[Path, Path]:
     """``out`` (task, consensus) and ``<out stem>_sources.csv`` (source, tasks, noise, reliability,
     mean weight). Both are refused before either is written when one of them is a folder, and both are
-    written in full (to temporary files beside them) before either replaces what is there: a write that
-    fails (a full disk) leaves the old results, not a new consensus beside an old per-source file."""
+    written in full before either replaces what is there (:func:`~fedtrust.checkpoint.atomic_write_all`):
+    a write that fails leaves the old results, not a new consensus beside an old per-source file."""
     paths = results_paths(out)
     for path in paths:
         if path.is_dir():
@@ -148,15 +147,7 @@ def write_results(
         _csv(["task", *names], rows),
         _csv(["source", "tasks", "noise", "reliability", "mean_weight"], per_source),
     ]
-    temporary = [path.with_name(f".{path.name}.{os.getpid()}.tmp") for path in paths]
-    try:  # both written in full before either replaces what is there
-        for path, text in zip(temporary, texts, strict=True):
-            atomic_write(path, text)
-        for tmp, path in zip(temporary, paths, strict=True):
-            os.replace(tmp, path)
-    finally:
-        for tmp in temporary:
-            tmp.unlink(missing_ok=True)
+    atomic_write_all(dict(zip(paths, texts, strict=True)))
     return paths
 
 

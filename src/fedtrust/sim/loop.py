@@ -346,7 +346,7 @@ class Simulation:
                     self._save_predictions(store)
                 if not diverged and (t % self.settings.checkpoint_every == 0 or t == self.rounds):
                     state = {"round": t, "vector": self.vector, "rule_state": self.rule.state_dict()}
-                    store.save_checkpoint({**state, "after": store.record_digest(record)})
+                    store.save_checkpoint(state, after=record)
                     # the time up to a checkpoint survives a kill: a resume adds its own to it
                     store.update_manifest(seconds=spent + time.perf_counter() - began)
             if on_round is not None:

@@ -328,12 +328,12 @@ class RunStore:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, state: dict[str, Any]) -> None:
-        """Write ``state`` (a state tree, see :mod:`fedtrust.checkpoint`) as the newest checkpoint and keep
-        the one before it."""
+    def save_checkpoint(self, state: dict[str, Any], after: dict[str, Any]) -> None:
+        """Write ``state`` (a state tree, see :mod:`fedtrust.checkpoint`) as the newest checkpoint, with the
+        hash of ``after``, the record of its round (:meth:`follows`), and keep the one before it."""
         if self.checkpoint_path.exists():
             os.replace(self.checkpoint_path, self.previous_checkpoint_path)
-        save_state(self.checkpoint_path, state)
+        save_state(self.checkpoint_path, {**state, "after": self.record_digest(after)})
 
     def checkpoints(self) -> Iterator[tuple[Path, dict[str, Any] | None, str | None]]:
         """(path, state, None) for each checkpoint that reads back, newest first, or (path, None, problem)

@@ -301,7 +301,7 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Exper
         if not sep or not key:
             raise ConfigError(f"--set expects path=value, got {item!r}")
         key = key.strip()
-        clash = next((p for p in swept if key in (p, *_parents(p)) or p in _parents(key)), None)
+        clash = next((p for p in swept if _overlap(key, p)), None)
         if clash is not None:  # the sweep would set it again in every run, silently
             raise ConfigError(
                 f"--set {item!r}: {path.name} sweeps {clash}, which sets it in every run; change its sweep "
@@ -323,6 +323,12 @@ def _parents(dotted: str) -> list[str]:
     """The sections above a dotted path: ``a.b.c`` -> ``a``, ``a.b``."""
     keys = dotted.split(".")
     return [".".join(keys[:i]) for i in range(1, len(keys))]
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether setting dotted path ``a`` and setting ``b`` touch the same value: one path, or one a
+    section above the other."""
+    return a == b or a in _parents(b) or b in _parents(a)
 
 
 def _set(tree: dict, dotted: str, value: Any, where: str) -> None:
@@ -376,7 +382,7 @@ def expand(cfg: ExperimentConfig, where: str = "") -> list[tuple[str, Experiment
     for i, path in enumerate(paths):
         if path == "sweep" or path.startswith("sweep."):
             raise ConfigError(f"{where}sweep.{path}: a sweep cannot sweep the sweep; list its paths directly")
-        clash = next((p for p in paths[:i] if p == path or p in _parents(path) or path in _parents(p)), None)
+        clash = next((p for p in paths[:i] if _overlap(path, p)), None)
         if clash is not None:  # one would set the other again in every run: labels naming what did not run
             raise ConfigError(
                 f"{where}sweep: {clash} and {path} are swept both, and one sets the other in every run; "
