@@ -423,6 +423,15 @@ def test_a_folder_or_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
             },
             r"seed=0: data: synthetic_linear: noise needs one level per party \(5\), got 2",
         ),
+        (  # FLTrust refused every round of a run that "finished": the share was no row of 1347
+            {"data": {"name": "digits", "clients": 4, "benchmark": 1e-5}, "rule": {"name": "fltrust"}},
+            r"seed=0: data.benchmark: a share of 1e-05 of the 1347 training rows is no row; ask for at least "
+            r"one \(an int counts rows\) \(nothing was run\)$",
+        ),
+        (
+            {"data": {"name": "digits", "clients": 4, "benchmark": 1347}, "rule": {"name": "fltrust"}},
+            r"seed=0: data.benchmark: 1347 rows would leave no training data \(of 1347\)",
+        ),
     ],
 )
 def test_option_values_only_the_data_can_check_are_refused_before_any_run(tmp_path, block, message):

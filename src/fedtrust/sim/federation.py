@@ -44,15 +44,26 @@ class Federation:
         )
 
 
+def benchmark_rows(size: int | float, n: int) -> int:
+    """How many of ``n`` training rows ``data.benchmark`` (rows, an int, or a share, a float < 1) keeps for
+    the server; 0 without a benchmark. A share so small that it rounds to no row, or rows that leave no
+    training data, are refused (a rule that reads the benchmark would refuse every round)."""
+    count = int(round(size * n)) if isinstance(size, float) else int(size)
+    if size > 0 and count <= 0:
+        raise ValueError(f"data.benchmark: a share of {size!r} of the {n} training rows is no row; ask for "
+                         "at least one (an int counts rows)")  # fmt: skip
+    if count >= n:
+        raise ValueError(f"data.benchmark: {count} rows would leave no training data (of {n})")
+    return max(count, 0)
+
+
 def hold_out_benchmark(dataset: Dataset, size: int | float, g: torch.Generator):
     """Carve the server's benchmark rows out of the training set (stratified by class where there are
     classes). Returns the remaining dataset (natural groups re-indexed) and the benchmark (x, y)."""
     n = len(dataset)
-    count = int(round(size * n)) if isinstance(size, float) else int(size)
-    if count <= 0:
+    count = benchmark_rows(size, n)
+    if count == 0:
         return dataset, None
-    if count >= n:
-        raise ValueError(f"data.benchmark: {count} rows would leave no training data (of {n})")
     if dataset.num_classes is None:
         rows = torch.randperm(n, generator=g)[:count]
     else:  # proportional per class

@@ -26,7 +26,7 @@ from fedtrust.progress import Progress
 from fedtrust.registry import build
 from fedtrust.rules import rule as build_rule
 from fedtrust.sim.evaluation import default_evaluation
-from fedtrust.sim.federation import build_federation
+from fedtrust.sim.federation import benchmark_rows, build_federation
 from fedtrust.sim.loop import Lie, Simulation
 from fedtrust.sim.settings import resolve_device
 from fedtrust.sim.store import RunLocked, RunStore, computed_by, describe, field_at, this_code, versions
@@ -89,7 +89,8 @@ def check_with_data(runs: list[tuple[str, ExperimentConfig]], datasets: _Dataset
     images or its target among the classes, the data's own values such as a test split too small to
     stratify or synthetic_linear's noise levels), once per distinct (data, model, corruption) of the sweep,
     before any run starts: the config check knows their names, not whether -5 hidden units or a 100-part
-    trigger fit. A ConfigError names the first run and the field. A data file that is there but cannot be
+    trigger fit, or whether a benchmark share leaves the server a row. A ConfigError names the first run
+    and the field. A data file that is there but cannot be
     read as the data (a CSV cut to its header) is refused the same way, since every run on it would fail
     alike; data that is not there (:class:`~fedtrust.data.datasets.DatasetNotFound`, any other OS error)
     is left to the runs, which fail saying why, so that a sweep over several data sets runs those that
@@ -97,7 +98,7 @@ def check_with_data(runs: list[tuple[str, ExperimentConfig]], datasets: _Dataset
     seen = set()
     for label, c in runs:
         parts = (c.data, c.model, c.corruption)
-        key = repr([(b.name, sorted(b.options.items())) for b in parts])
+        key = repr([(b.name, sorted(b.options.items())) for b in parts] + [c.data.benchmark])
         if key in seen:
             continue
         seen.add(key)
@@ -107,8 +108,10 @@ def check_with_data(runs: list[tuple[str, ExperimentConfig]], datasets: _Dataset
             raise _refused(label, "data", exc) from None
         except Exception:  # noqa: BLE001 - not there (an OSError), or the data set's own failure: the runs
             continue  # say why
-        field = "model"
+        field = "data.benchmark"
         try:
+            benchmark_rows(c.data.benchmark, len(dataset))
+            field = "model"
             build_model(c.model.name, dataset, **c.model.options)
             if c.corruption.name in DATA_CORRUPTIONS:
                 field = "corruption"
