@@ -1,8 +1,10 @@
 """The simulator: clean FedAvg matches centralised training, runs are deterministic and resume exactly,
 and every mode, attack, lie and failure is handled as documented."""
 
+import json
 import math
 
+import numpy as np
 import pytest
 import runs
 import torch
@@ -231,3 +233,36 @@ def test_evaluation_is_a_pluggable_step():
     # the default evaluation of a classification run: the test-set metrics
     default = build_simulation(config(train__rounds=1)).evaluation
     assert type(default) is TestSetMetrics
+
+
+def test_a_resumed_fedag_run_scores_an_unaggregated_round_under_the_posterior_before_it(tmp_path):
+    """FedAG scores a round that aggregates nothing (every sampled client crashed) under the last posterior.
+    The checkpoint keeps that posterior: resumed just before such a round, the run used to score it as
+    a point prediction (RMSE 53.817 for 53.806, no NLL, CRPS or coverage, no predictions.npz) and still
+    said "finished"; now its records and predictions are the uninterrupted run's."""
+    cfg = config(data={"name": "cubic_toy", "workers": 6, "clients": 6}, model={"name": "mlp", "hidden": 8},
+                 train={"rounds": 6, "lr": 0.05, "checkpoint_every": 1, "fraction": 0.5},
+                 corruption={"name": "crash", "fraction": 0.67}, rule={"name": "fedag"})  # fmt: skip
+    whole = build_simulation(cfg).run(RunStore(tmp_path / "whole"))
+    assert [r["error"] is None for r in whole] == [False, True, True, False, True, False]
+    assert "crps" in whole[-1]["metrics"]  # the last round is scored under round 5's posterior
+
+    def crash_after_5(record):
+        if record["round"] == 5:
+            raise Crash
+
+    store = RunStore(tmp_path / "resumed")
+    with pytest.raises(Crash):
+        build_simulation(cfg).run(store, on_round=crash_after_5)
+    resumed = build_simulation(cfg).run(store)
+    assert json.dumps(strip_times(resumed)) == json.dumps(strip_times(whole))  # (NaN weights: as text)
+    saved = [np.load(tmp_path / run / "predictions.npz") for run in ("whole", "resumed")]
+    for key in ("y", "mu", "sigma"):
+        assert np.array_equal(saved[0][key], saved[1][key])
+    evaluation = build_simulation(cfg).evaluation
+    state = evaluation.state_dict()
+    assert state == {"posterior": None}  # before any round
+    with pytest.raises(ValueError, match=r"names clients \[0, 9\], not indices of this run's 6"):
+        evaluation.load_state_dict({"posterior": {"mean": torch.zeros(1), "var": torch.zeros(1),
+                                                  "members": None, "weights": None, "chosen": [0, 9]}})  # fmt: skip
+    assert evaluation.posterior is None  # refused before anything changed

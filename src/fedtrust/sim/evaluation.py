@@ -7,6 +7,10 @@ An evaluation is any object with
     __call__(t, vector) -> dict[str, float]         # the metrics recorded for round t
     predictions(t, vector) -> (y, mu, sigma) | None # a regression run's final predictive, saved to disk
 
+and, where it keeps something from round to round (FedAG's posterior), ``state_dict()`` and
+``load_state_dict(state)`` as a rule has: the simulator checkpoints that state beside the rule's, so that a
+resumed run scores its rounds as an uninterrupted one does.
+
 ``Simulation(evaluation=...)`` takes one; by default :func:`default_evaluation` picks
 :class:`TestSetMetrics` (accuracy, or RMSE for regression) or, for a regression run whose rule reports a
 posterior, :class:`FedAGPredictive` (NLL, CRPS, coverage and RMSE of the predictive distribution).
@@ -85,13 +89,55 @@ class FedAGPredictive(TestSetMetrics):
         self.settings = settings
         self.seed = seed
         self.posterior: GaussianPosterior | None = None
-        self._data: list = []  # the latest posterior's clients' training data, for the noise precision
+        self._chosen: list[int] = []  # the federation's indices of the latest posterior's clients
+        self._data: list = []  # their training data, for the noise precision
 
     def observe(self, t, vector, aggregate, members, chosen) -> None:
         if "posterior_var" in aggregate.info and self.settings.mode != "gradient":
             var = aggregate.info["posterior_var"].detach()
             self.posterior = GaussianPosterior(vector, var, members, aggregate.weights.detach())
+            self._chosen = list(chosen)
             self._data = [self.federation.data[k] for k in chosen]
+
+    def state_dict(self) -> dict:
+        """The latest posterior and the federation's indices of its clients: a round that aggregates
+        nothing is scored under it, so a checkpoint keeps it."""
+        p = self.posterior
+        if p is None:
+            return {"posterior": None}
+        return {"posterior": {"mean": p.mean, "var": p.var, "members": p.members, "weights": p.weights,
+                              "chosen": list(self._chosen)}}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s posterior (checked first: ValueError, nothing changed, when it does
+        not fit this run's model and federation)."""
+        if not isinstance(state, dict) or set(state) != {"posterior"}:
+            raise ValueError(f"FedAG's evaluation state is a dict with key 'posterior', got {state!r:.80}")
+        p = state["posterior"]
+        if p is None:
+            self.posterior, self._data = None, []
+            return
+        keys = {"mean", "var", "members", "weights", "chosen"}
+        if not isinstance(p, dict) or set(p) != keys:
+            raise ValueError(f"FedAG's posterior state has keys {sorted(keys)}, got {p!r:.80}")
+        d, chosen, clients = self.model.size, p["chosen"], len(self.federation.data)
+        if not (
+            isinstance(chosen, list) and chosen and all(type(k) is int and 0 <= k < clients for k in chosen)
+        ):
+            raise ValueError(
+                f"FedAG's posterior names clients {chosen!r:.80}, not indices of this run's {clients}"
+            )
+        shapes = {"mean": (d,), "var": (d,), "members": (len(chosen), d), "weights": (len(chosen),)}
+        for key, shape in shapes.items():
+            value = p[key]
+            if not (
+                isinstance(value, torch.Tensor) and value.is_floating_point() and tuple(value.shape) == shape
+            ):
+                raise ValueError(f"FedAG's posterior {key} is not a float tensor of shape {shape}")
+        device = self.data.x_test.device  # a checkpoint holds CPU tensors: back where this run's data are
+        self.posterior = GaussianPosterior(*(p[k].to(device) for k in ("mean", "var", "members", "weights")))
+        self._chosen = list(chosen)
+        self._data = [self.federation.data[k] for k in chosen]
 
     def predictive(self, t: int, vector: torch.Tensor, x: torch.Tensor):
         """(mu, sigma) of the predictive distribution at ``x`` under the latest posterior (in the model's

@@ -346,6 +346,8 @@ class Simulation:
                     self._save_predictions(store)
                 if not diverged and (t % self.settings.checkpoint_every == 0 or t == self.rounds):
                     state = {"round": t, "vector": self.vector, "rule_state": self.rule.state_dict()}
+                    if hasattr(self.evaluation, "state_dict"):  # what it scores the next rounds with
+                        state["evaluation"] = self.evaluation.state_dict()
                     store.save_checkpoint(state, after=record)
                     # the time up to a checkpoint survives a kill: a resume adds its own to it
                     store.update_manifest(seconds=spent + time.perf_counter() - began)
@@ -382,11 +384,13 @@ class Simulation:
     def _restore(
         self, store: RunStore, path, state: dict[str, Any], records: list[dict[str, Any]]
     ) -> str | None:
-        """Load a checkpoint's vector and rule state; None on success, else why it cannot be used (the
-        rule's ``load_state_dict`` checks its state before changing anything). The checkpoint must follow
-        the readable ``records`` (:meth:`RunStore.follows`)."""
+        """Load a checkpoint's vector, rule state and evaluation state (FedAG's posterior); None on success,
+        else why it cannot be used (each ``load_state_dict`` checks its state before changing anything; the
+        rule's is put back when the evaluation's is refused). The checkpoint must follow the readable
+        ``records`` (:meth:`RunStore.follows`). A checkpoint written before fedtrust kept the evaluation's
+        state resumes with none (FedAG scores the test set until its next posterior)."""
         keys = {"round", "vector", "rule_state"}
-        if not isinstance(state, dict) or not keys <= set(state) <= keys | {"after"}:
+        if not isinstance(state, dict) or not keys <= set(state) <= keys | {"after", "evaluation"}:
             return f"{path} is not a checkpoint of a simulated run"
         t, vector = state["round"], state["vector"]
         if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= self.rounds:
@@ -398,10 +402,17 @@ class Simulation:
         fits = isinstance(vector, torch.Tensor) and vector.shape == self.vector.shape
         if not (fits and vector.is_floating_point() and bool(torch.isfinite(vector).all())):
             return f"{path}: its global vector is not {self.model.size} finite numbers"
+        before = self.rule.state_dict()
         try:
             self.rule.load_state_dict(state["rule_state"])
         except (ValueError, TypeError) as exc:
             return f"{path}: the rule refuses its state ({exc})"
+        if "evaluation" in state and hasattr(self.evaluation, "load_state_dict"):
+            try:
+                self.evaluation.load_state_dict(state["evaluation"])
+            except (ValueError, TypeError) as exc:
+                self.rule.load_state_dict(before)
+                return f"{path}: the evaluation refuses its state ({exc})"
         self.vector = vector.to(self.vector)  # a checkpoint holds CPU tensors: back to this run's device
         return None
 
