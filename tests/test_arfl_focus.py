@@ -1,5 +1,7 @@
 """ARFL (Theorem 4.3, Algorithm 1) and FOCUS (eqs 3-8, Algorithm 1), checked against their papers."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -171,6 +173,30 @@ def test_focus_weights_are_eqs_3_to_8_one_round_late(reduction):
     ll_used = [v * m for v, m in zip(ll, n, strict=True)] if reduction == "sum" else ll  # eq 5
     np.testing.assert_allclose(out2.weights.numpy(), focus_by_hand(ls, ll_used, n, 0.5), rtol=1e-12)
     assert out2.weights[2] < out2.weights[0]
+
+
+def test_copies_whose_benchmark_loss_cannot_be_measured_get_no_weight():
+    """Three identical huge updates whose benchmark loss overflows (+inf, eq 6's worst) among five honest
+    clients: eq 6 gives their one group (sybils="share", the default) credibility 0. Pooling the groups'
+    losses by a 0/1 matrix product made 0 x inf NaN in every honest group; FOCUS read every loss as unknown
+    and gave the attackers 1/6 of the weight (an aggregate of 1.7e5). (Counted apart, sybils="off", eq 6
+    shares its one unit of distrust among them: 1 - 1/3 each, the paper's formula.)"""
+
+    def reference(vector):
+        mean_square = float(vector.double().square().mean())
+        return math.exp(mean_square) if mean_square < 700 else math.inf
+
+    reference.size = 100
+    g = torch.Generator().manual_seed(2)
+    x = torch.cat([0.1 * torch.randn(5, 50, generator=g, dtype=torch.float64), torch.full((3, 50), 1e6)])
+    focus = rule("focus", alpha=1.0, reduction="mean")
+    for _ in range(2):  # the benchmark losses of round 1's updates weigh round 2 (eq 7)
+        out = focus(
+            Round(updates=x, num_samples=[50.0] * 8, metrics={"train_loss": [2.0] * 8}, reference=reference)
+        )
+    assert [g["clients"] for g in out.info["groups"]] == [[5, 6, 7]]
+    assert float(out.weights[5:].sum()) == 0.0
+    assert float(out.vector.abs().max()) < 1.0
 
 
 def test_focus_needs_the_benchmark_split():

@@ -594,3 +594,19 @@ def test_copies_are_found_at_any_magnitude_the_screen_lets_through(scale, seed):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(3, 10_000, generator=g, dtype=torch.float64) * scale)[[0, 0, 1, 2]]
     assert find_groups(x).members == ((0, 1), (2,), (3,))
+
+
+def test_a_group_mean_leaves_nan_out_and_keeps_a_members_infinity_to_its_own_group():
+    """Groups.pool: the members' mean, NaN left out; an infinity is its group's mean and no other's (0 x inf
+    in a membership product had made every other group NaN: FOCUS then read every loss as unknown)."""
+    from fedtrust.aggregators.sybils import Groups
+
+    groups = Groups(((0, 1), (2,), (3, 4), (5, 6), (7,)), {0: "copies", 2: "copies", 3: "copies"}, 8)
+    values = torch.tensor(
+        [1.0, 3.0, math.inf, 2.0, math.nan, math.inf, -math.inf, math.nan], dtype=torch.float64
+    )
+    pooled = groups.pool(values)
+    assert pooled[:3].tolist() == [2.0, math.inf, 2.0]
+    assert math.isnan(pooled[3]) and math.isnan(pooled[4])  # +inf and -inf; no known member
+    two = groups.pool(torch.stack([values, torch.arange(8.0, dtype=torch.float64)], 1))  # (n, 2): per column
+    assert two[:, 1].tolist() == [0.5, 2.0, 3.5, 5.5, 7.0]

@@ -202,16 +202,23 @@ class Groups:
 
     def pool(self, values: torch.Tensor) -> torch.Tensor:
         """(n, ...) -> (groups, ...): the mean over each group's members, NaN entries left out (NaN where
-        every member's is)."""
+        every member's is); a group with an infinite member has that infinity as its mean (NaN with both
+        signs). The sums are products with the 0/1 membership matrix over finite entries only: an infinity
+        times another group's 0 was NaN in that group's mean (FOCUS read every group's loss as unknown when
+        one client's benchmark loss was +inf, and gave every group its count weight)."""
         if self.trivial:
             return values
         flat = values.reshape(self.n, -1)
         known = ~torch.isnan(flat)
         a = torch.zeros(self.count, self.n, dtype=flat.dtype, device=flat.device)
         a[self.index.to(flat.device), torch.arange(self.n, device=flat.device)] = 1.0
-        total = a @ torch.where(known, flat, torch.zeros_like(flat))
+        total = a @ torch.where(torch.isfinite(flat), flat, torch.zeros_like(flat))
         count = a @ known.to(flat.dtype)
         out = torch.where(count > 0, total / count.clamp_min(1), torch.full_like(total, math.nan))
+        up, down = (a @ (flat == sign * math.inf).to(flat.dtype) > 0 for sign in (1, -1))
+        out = torch.where(up, math.inf, out)
+        out = torch.where(down, -math.inf, out)
+        out = torch.where(up & down, math.nan, out)
         return out.reshape(self.count, *values.shape[1:])
 
     def even_out(self, weights: torch.Tensor) -> torch.Tensor:
