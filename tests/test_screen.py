@@ -268,3 +268,18 @@ def test_the_two_sample_statistic_is_the_distance_of_the_means_over_its_standard
     for centre in (torch.zeros(30, dtype=torch.float64), x.mean(0), x[3]):
         dev = x - centre
         assert two_sample(dev @ dev.T, side) == pytest.approx(float(expected), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"])
+def test_two_clients_sending_opposite_huge_updates_are_dropped_not_a_crash(name):
+    """+v and -v with |v| = 1e12, far below the size screen's limit: centring the Gram matrix left the other
+    clients' variances negative by cancellation, their correlations past 1e300, and torch's eigh failed:
+    the round, and a simulated run, died. The pair is now dropped and the rest averaged."""
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        x = 0.1 * torch.randn(10, 50, generator=g)
+        u = torch.randn(50, generator=g)
+        x[3], x[4] = 1e12 * u / u.norm(), -1e12 * u / u.norm()
+        out = rule(name, weighting="screen")(Round(updates=x))
+        assert out.weights[3] == 0 and out.weights[4] == 0
+        torch.testing.assert_close(out.vector, x[[0, 1, 2, 5, 6, 7, 8, 9]].mean(0))

@@ -137,7 +137,12 @@ def coherent_side(gram: torch.Tensor) -> torch.Tensor:
     k = len(gram)
     centring = torch.eye(k, dtype=gram.dtype) - 1.0 / k
     g = centring @ gram @ centring
-    sd = g.diagonal().clamp_min(torch.finfo(g.dtype).tiny).sqrt()
+    # a variance below the largest one's rounding is none (two updates of 1e12 in opposite directions
+    # left the others' centred variances at -910 and -1730 by cancellation; floored at the dtype's tiny,
+    # their correlations were 1e300 and beyond, and eigh failed)
+    diagonal = g.diagonal()
+    floor = max(float(diagonal.max()) * torch.finfo(g.dtype).eps, torch.finfo(g.dtype).tiny)
+    sd = diagonal.clamp_min(floor).sqrt()
     corr = g / (sd[:, None] * sd[None, :])
     loadings = torch.linalg.eigh(corr)[1][:, -1]
     order = torch.argsort(loadings)
@@ -166,13 +171,16 @@ def standing_apart(gram: torch.Tensor | None, sizes: torch.Tensor) -> tuple[torc
         return None, found
     gram = gram.detach().to("cpu", torch.float64)
     members = sizes.detach().to("cpu", torch.float64)
-    block = coherent_side(gram)
-    rest = torch.nonzero(~block).flatten()
-    t_block = two_sample(gram, block)
-    if t_block is None or len(rest) < MIN_GROUPS:
-        return None, found
-    inner = gram[rest][:, rest]
-    t_rest = two_sample(inner, coherent_side(inner))
+    try:
+        block = coherent_side(gram)
+        rest = torch.nonzero(~block).flatten()
+        t_block = two_sample(gram, block)
+        if t_block is None or len(rest) < MIN_GROUPS:
+            return None, found
+        inner = gram[rest][:, rest]
+        t_rest = two_sample(inner, coherent_side(inner))
+    except torch.linalg.LinAlgError as exc:  # no common mode to read: no block, and why (the round goes on)
+        return None, {**found, "unresolved": f"the correlations' eigenvectors did not converge ({exc})"}
     if t_rest is None:
         return None, found
     found["ratio"] = t_block / t_rest
