@@ -148,6 +148,19 @@ def test_a_diverged_row_the_attacker_does_not_read_changes_nothing():
     torch.testing.assert_close(attack("alie", z=1.5)(ctx), expected)
 
 
+@pytest.mark.parametrize("knowledge", ["omniscient", "partial"])
+def test_a_round_without_corrupted_clients_sends_nothing(knowledge):
+    """Every attack that reads the honest updates, on a context with no corrupted client: an empty (0, d)
+    tensor. The partial-knowledge ones averaged their own none (ZeroDivisionError)."""
+    from fedtrust.attacks import ATTACKS, sent_by
+
+    ctx = context(bad=0)
+    for name in ("alie", "ipm", "min_max", "min_sum", "fang_krum", "fang_trimmed_mean", "optimal_alie",
+                 "optimal_ipm"):  # fmt: skip
+        assert name in ATTACKS
+        assert sent_by(attack(name, knowledge=knowledge), ctx).shape == (0, 6)
+
+
 @pytest.mark.parametrize("name", ["ipm", "alie", "mimic", "min_max"])
 def test_a_round_of_only_corrupted_clients_attacks_with_their_trained_updates(name):
     """With no benign client in a round (a sampled round, or every client corrupted), an omniscient

@@ -63,6 +63,11 @@ from fedtrust.server import server_step
             r"client_ids must have one id per update \(2\), got 1",
         ),
         ({"updates": torch.zeros(2, 3), "client_ids": ["a", "a"]}, ValueError, r"'a' appears 2 times"),
+        (  # both quarantined, the round's record kept one reason (it names clients by str(id))
+            {"updates": torch.zeros(2, 3), "client_ids": [1, "1"]},
+            ValueError,
+            r"client_ids 1 and '1' would both be named '1' in the round's records",
+        ),
         ({"updates": torch.zeros(2, 3), "client_ids": "ab"}, TypeError, r"client_ids must be a sequence"),
         (
             {"updates": torch.zeros(2, 3), "client_ids": [("site", 1), ("site", 2)]},

@@ -610,3 +610,15 @@ def test_a_group_mean_leaves_nan_out_and_keeps_a_members_infinity_to_its_own_gro
     assert math.isnan(pooled[3]) and math.isnan(pooled[4])  # +inf and -inf; no known member
     two = groups.pool(torch.stack([values, torch.arange(8.0, dtype=torch.float64)], 1))  # (n, 2): per column
     assert two[:, 1].tolist() == [0.5, 2.0, 3.5, 5.5, 7.0]
+
+
+def test_a_round_of_left_out_clients_only_is_refused_and_the_model_kept():
+    """leaving_out's baseline on a round that samples only the left-out clients: nothing to aggregate. It
+    raised Round's ValueError ("Round.updates is empty"), which a server does not catch: the run died."""
+    from fedtrust.server import server_step
+
+    model = torch.zeros(8)
+    step = server_step(leaving_out(rule("median"), ["a", "b"]),
+                       Round(updates=torch.randn(2, 8), client_ids=["a", "b"]), model, lambda a: a)  # fmt: skip
+    assert not step.applied and torch.equal(step.vector, model)
+    assert "every client of this round (2) is left out" in step.error

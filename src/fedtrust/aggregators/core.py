@@ -300,6 +300,11 @@ class Round:
         if len(unique) != n:
             dup = next(i for i in ids if ids.count(i) > 1)
             raise ValueError(f"Round.client_ids must be distinct: {dup!r} appears {ids.count(dup)} times")
+        if len({str(i) for i in ids}) != n:  # records and reports name clients by str(id)
+            named = [str(i) for i in ids]
+            a, b = (i for i in ids if named.count(str(i)) > 1)
+            raise ValueError(f"Round.client_ids {a!r} and {b!r} would both be named {str(a)!r} in the "
+                             "round's records; give distinct names")  # fmt: skip
         return ids
 
     @property
@@ -414,6 +419,8 @@ def leaving_out(rule: Rule, client_ids) -> Rule:
 
     def without(round: Round) -> Aggregate:
         keep = [k for k, i in enumerate(round.client_ids) if i not in absent]
+        if not keep:  # (a round of them only: nothing to aggregate, the server keeps its model)
+            raise RoundRefused(f"every client of this round ({round.n}) is left out")
         out = rule(round.select(keep))
         weights = torch.zeros(round.n, dtype=out.weights.dtype, device=out.weights.device)
         weights[torch.as_tensor(keep, dtype=torch.long, device=out.weights.device)] = out.weights

@@ -225,12 +225,15 @@ class Knowing:
 
 
 def sent_by(attack, ctx: AttackContext) -> torch.Tensor:
-    """``attack(ctx)`` checked: a floating (n_bad, d) tensor, or a ValueError naming the attack and what it
-    returned (a user's attack with the wrong shape fails here, not deep inside a rule). Non-finite values
-    pass: they are a broken device's, and the rules' front door quarantines them."""
+    """``attack(ctx)`` checked: a floating (n_bad, d) tensor (empty, the attack not called, without
+    corrupted clients), or a ValueError naming the attack and what it returned (a user's attack with the
+    wrong shape fails here, not deep inside a rule). Non-finite values pass: they are a broken device's,
+    and the rules' front door quarantines them."""
     name = getattr(attack, "name", None) or getattr(attack, "__name__", None) or type(attack).__name__
-    out = attack(ctx)
     want = (ctx.num_bad, ctx.updates.shape[1])
+    if ctx.num_bad == 0:  # no one to send (a partial-knowledge attack would average its own none: 1 / 0)
+        return ctx.updates.new_empty(want)
+    out = attack(ctx)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"attack {name!r} must return a tensor of shape {want}, got {type(out).__name__}")
     if tuple(out.shape) != want:
