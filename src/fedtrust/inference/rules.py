@@ -446,8 +446,11 @@ class IcovMLE(_WindowRule):
     residual covariances of the rounds in the window; each client's factors v_j and noise persist by id.
     Options: latent_dim D, window, steps (quasi-Newton steps per iteration), max_iter, tol, seed.
 
-    The joint likelihood in (y, Phi) is unbounded like IVAR-MLE's: fitted to convergence it can lock onto
-    a few clients (the paper reports ICOV-MLE as its weakest variant); ICOV-VB is the robust one."""
+    The paper's joint likelihood in (y, Phi) is unbounded like IVAR-MLE's: fitted to convergence it can
+    lock onto a few clients. The estimator fits the restricted likelihood instead (the consensus
+    integrated out under a flat prior; :func:`~fedtrust.inference.icov.icov_loglik`), which is bounded,
+    and centres the loadings so that the sources that share nothing are the majority
+    (:func:`~fedtrust.inference.icov.centre_loadings`): a deliberate deviation from the paper's eqs 8-9."""
 
     name = "icov_mle"
 
