@@ -667,6 +667,43 @@ def test_a_run_folder_copied_aside_is_not_another_seed(tmp_path):
     assert "4 runs (3 finished, 1 copy)" in text and "## Copies of other runs" in text
 
 
+def test_of_two_folders_of_one_run_the_report_counts_the_finished_one_by_this_code(tmp_path):
+    """Runs of one config and seed, wherever they lie, count once; the one counted was the first in path
+    order (a freshness review): an interrupted attempt kept in a subfolder read "1/1 unfinished" over
+    the finished re-run, and an archived run of older code hid the fresh one. The counted one is now
+    finished before unfinished, this code's before other code's, then the newest. The same config saved
+    under two experiment names was averaged as two seeds ("0.833 +- 0.000" for one seed): it is one run."""
+    import json
+    import shutil
+
+    from fedtrust.report.results import Run, load_runs, table
+
+    run_experiment(config(train__rounds=2), tmp_path, progress=False)
+    run = tmp_path / "t" / "run"
+    for name, status, source in [("attempt", "running", None), ("archive", "finished", "0" * 16)]:
+        shutil.copytree(run, tmp_path / "t" / name / "run")
+        path = tmp_path / "t" / name / "run" / "manifest.json"
+        manifest = json.loads(path.read_text())
+        manifest.update(status=status, finished="2099-01-01T00:00:00+0000")  # newer, yet not counted
+        if source:
+            manifest["versions"]["fedtrust_source"] = source
+        path.write_text(json.dumps(manifest))
+    runs = load_runs(tmp_path / "t")
+    assert {r.directory: r.status for r in runs} == {
+        run: "finished",
+        tmp_path / "t" / "attempt" / "run": "copy",
+        tmp_path / "t" / "archive" / "run": "copy",
+    }
+    ((_, cell),) = table(runs, Run.final)[2].items()
+    assert (cell.count, cell.unfinished, cell.codes) == (1, 0, 1)
+
+    run_experiment(config(name="u", train__rounds=2), tmp_path, progress=False)  # the same run, named u
+    runs = load_runs(tmp_path)
+    assert sum(r.status == "finished" for r in runs) == 1
+    ((_, cell),) = table(runs, Run.final)[2].items()
+    assert cell.count == 1
+
+
 def test_the_report_says_which_code_computed_its_runs(tmp_path):
     """A table read from old runs says so: the report's provenance names the runs' fedtrust source
     hashes against this checkout's, and counts the runs of other code (or none recorded); a cell whose

@@ -7,11 +7,12 @@ import json
 import math
 import statistics
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from fedtrust.checkpoint import CorruptFileError
-from fedtrust.sim.store import RunStore
+from fedtrust.sim.store import RunStore, this_code
 
 
 @dataclass
@@ -42,8 +43,7 @@ class Run:
     def reason(self) -> str:
         """Why a run is not counted: its error, its file problem, whom it copies, or how far it got."""
         if self.copy_of is not None:  # (set only on runs that read back)
-            short = self.manifest["config_hash"][:12]
-            return f"the same config and seed as {self.copy_of} (config hash {short})"
+            return f"the same config and seed as {self.copy_of}, counted there"
         if self.problem or self.manifest.get("error"):
             return self.problem or self.manifest["error"]
         stopped = self.manifest.get("interrupted")
@@ -288,17 +288,48 @@ def load_runs(directory: str | Path) -> list[Run]:
             )
         runs.append(Run(path.parent, manifest, rounds, problem))
     runs.sort(key=lambda r: (r.manifest.get("experiment", ""), r.manifest.get("index", 0)))  # sweep order
-    first: dict[str, Run] = {}
-    for r in runs:  # a run folder copied aside is the same run, not another seed
-        key = r.manifest.get("config_hash")
-        if isinstance(key, str) and not r.own_run and not r.problem:
-            if key in first:
-                r.copy_of = first[key].directory
-            else:
-                first[key] = r
+    _mark_copies(runs)
     options_that_differ(runs)
     tell_apart(runs)
     return runs
+
+
+def _mark_copies(runs: list[Run]) -> None:
+    """Runs of one config and seed are one computation, whatever folder or experiment name holds them (a
+    folder copied aside, an attempt kept beside its re-run, one config saved under two names): one of them
+    is counted and the others are marked copies of it. The one counted is the best: finished before
+    failed before unfinished, computed by this checkout's code before other code, then the newest, then
+    the first in sweep order. (The first in path order was counted: an interrupted attempt in a subfolder
+    read "1/1 unfinished" over the finished re-run, an archived run of older code hid the fresh one, and
+    one config under two names was averaged as two seeds.)"""
+    same: dict[str, list[tuple[int, Run]]] = {}
+    for position, r in enumerate(runs):
+        config = r.manifest.get("config")
+        if isinstance(config, dict) and not r.own_run and not r.problem:
+            key = json.dumps({k: v for k, v in config.items() if k != "name"}, sort_keys=True, default=str)
+            same.setdefault(key, []).append((position, r))
+    here = this_code()
+
+    def preference(entry: tuple[int, Run]) -> tuple:
+        position, r = entry
+        rank = {"finished": 0, "failed": 1}.get(r.manifest.get("status"), 2)
+        when = _time(r.manifest.get("finished") or r.manifest.get("started"))
+        return rank, r.code != here, -when, position
+
+    for entries in same.values():
+        _, kept = min(entries, key=preference)
+        for _, r in entries:
+            if r is not kept:
+                r.copy_of = kept.directory
+
+
+def _time(stamp: Any) -> float:
+    """A manifest's time stamp (:func:`~fedtrust.sim.store.now`) in seconds since the epoch; 0 where it
+    is missing or unreadable."""
+    try:
+        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S%z").timestamp()
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def missing(runs: list[Run]) -> dict[str, tuple[int, int]]:
