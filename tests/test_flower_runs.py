@@ -7,6 +7,7 @@ import pickle
 
 import numpy as np
 import pytest
+import torch
 
 flwr = pytest.importorskip("flwr")
 from flower_grid import InProcessGrid, federation, initial, run, server_identity  # noqa: E402, F401
@@ -16,6 +17,7 @@ from fedtrust.checkpoint import CorruptFileError  # noqa: E402
 from fedtrust.flower import TrustStrategy, trust_client_app  # noqa: E402
 from fedtrust.flower.replies import NO_REPLY  # noqa: E402
 from fedtrust.report import load_runs, write_report  # noqa: E402
+from fedtrust.sim.store import source_hash  # noqa: E402
 
 QUIET = {"fraction_evaluate": 0.0, "min_available_nodes": 4}
 
@@ -314,3 +316,22 @@ def test_a_checkpoint_copied_from_another_run_directory_is_not_resumed(tmp_path,
     run(again, federation(), rounds=3)
     assert "checkpoint.safetensors does not follow round 2 of" in caplog.text
     assert "resuming from round 1" in caplog.text and [r["round"] for r in again.history] == [1, 2, 3]
+
+
+def test_a_run_resumed_by_other_code_says_it_mixes_codes(tmp_path, caplog):
+    """Two rounds by other code (another fedtrust source, torch 2.0.0), a restart by this code: the
+    manifest's versions were overwritten, and the report said "every run by this code" of rounds it did
+    not compute (a freshness review). The earlier versions are kept, the restart says so in the log, and
+    the report counts the run as other code, naming both."""
+    run(TrustStrategy(rule="median", run_dir=tmp_path / "run", **QUIET), federation(), rounds=2)
+    path = tmp_path / "run" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["versions"].update(fedtrust_source="0123456789abcdef", torch="2.0.0")
+    path.write_text(json.dumps({**manifest, "status": "running"}))
+    with caplog.at_level("WARNING"):
+        run(TrustStrategy(rule="median", run_dir=tmp_path / "run", **QUIET), federation(), rounds=3)
+    assert "rounds 1-2 were computed by other code (source 0123456789abcdef, torch 2.0.0" in caplog.text
+    (found,) = load_runs(tmp_path)
+    assert found.code[:2] == (f"0123456789abcdef and {source_hash()}", f"2.0.0 and {torch.__version__}")
+    report = write_report(tmp_path, tmp_path / "report", [found]).read_text()
+    assert "1 run by other code" in report

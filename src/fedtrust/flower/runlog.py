@@ -25,7 +25,7 @@ from flwr.supercore import log
 
 from fedtrust.checkpoint import CorruptFileError
 from fedtrust.rules import rule as build_rule
-from fedtrust.sim.store import RunStore, interruption, now, versions
+from fedtrust.sim.store import RunStore, computed_by, describe, interruption, now, this_code, versions
 
 REMEDY = "give the strategy another run_dir, or delete this one to start over"
 
@@ -81,6 +81,14 @@ class RunDirectory:
         manifest = self.store.manifest() if records else None
         if manifest is None:
             manifest = {"experiment": "flower", "run": self.store.dir.name, "started": now()}
+        earlier = manifest.get("versions")
+        if isinstance(earlier, dict) and computed_by(earlier) != this_code():
+            # the rounds done are that code's: kept beside this session's, so the report says the run mixes
+            # codes (it read as this code's alone: the versions were overwritten)
+            manifest["earlier_versions"] = [*manifest.get("earlier_versions", []), earlier]
+            log(WARNING, "run_dir: rounds 1-%d were computed by other code (%s); this session's are this "
+                "code's (%s): the report lists the run as computed by both", len(records),
+                describe(computed_by(earlier)), describe(this_code()))  # fmt: skip
         manifest["versions"] = versions()  # the code that computes these rounds, for the report
         self.store.write_rounds(records)
         config = {**self.config, "train": {"mode": "params", "rounds": rounds}}

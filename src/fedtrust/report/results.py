@@ -84,10 +84,16 @@ class Run:
     @property
     def code(self) -> tuple[str | None, ...]:
         """What computed the run: its recorded fedtrust source hash, torch and numpy versions
-        (:func:`~fedtrust.sim.store.computed_by`; None where one is not recorded)."""
+        (:func:`~fedtrust.sim.store.computed_by`; None where one is not recorded). A Flower run resumed by
+        other code keeps the earlier sessions' (``earlier_versions``): each entry then names every value,
+        "a and b", which is no single checkout's."""
         from fedtrust.sim.store import computed_by
 
-        return computed_by(self.manifest.get("versions"))
+        earlier = [v for v in self.manifest.get("earlier_versions") or [] if isinstance(v, dict)]
+        codes = list(dict.fromkeys([*map(computed_by, earlier), computed_by(self.manifest.get("versions"))]))
+        if len(codes) == 1:
+            return codes[0]
+        return tuple(" and ".join(dict.fromkeys(map(str, values))) for values in zip(*codes, strict=True))
 
     @property
     def own_run(self) -> bool:

@@ -95,7 +95,8 @@ class RunLocked(RuntimeError):
 MANIFEST_FIELDS = {"config": dict, "config.rule": dict, "config.rule.name": str, "config.train": dict,
                    "swept": dict, "versions": dict, "status": str, "experiment": str, "seed": int,
                    "index": int, "final": dict, "final.accuracy": (int, float), "final.rmse": (int, float),
-                   "seconds": (int, float), "not_aggregated": int, "recovered": list}  # fmt: skip
+                   "seconds": (int, float), "not_aggregated": int, "recovered": list,
+                   "earlier_versions": list}  # fmt: skip
 _JSON_KINDS = {dict: "object", str: "string", int: "integer", (int, float): "number", list: "array"}
 
 
