@@ -335,3 +335,28 @@ def test_a_run_resumed_by_other_code_says_it_mixes_codes(tmp_path, caplog):
     assert found.code[:2] == (f"0123456789abcdef and {source_hash()}", f"2.0.0 and {torch.__version__}")
     report = write_report(tmp_path, tmp_path / "report", [found]).read_text()
     assert "1 run by other code" in report
+
+
+def test_a_runs_metrics_come_from_one_source(tmp_path):
+    """The server scores every other round, the nodes every round: each round's ``metrics`` (the report's
+    curve and final number) took the server's where there was one and the nodes' elsewhere, one curve of
+    two populations (a freshness review). With an ``evaluate_fn`` they are the server's alone (None in a
+    round it does not score), the nodes' kept beside them, and the final metrics name their round."""
+    from flower_grid import accuracy
+
+    def every_other(t, arrays):
+        return flwr.app.MetricRecord({"accuracy": accuracy(arrays)}) if t % 2 == 0 else None
+
+    strategy = TrustStrategy(
+        rule="median", run_dir=tmp_path / "run", fraction_evaluate=1.0, min_available_nodes=4
+    )
+    strategy.start(grid=federation(), initial_arrays=initial(), num_rounds=3, evaluate_fn=every_other)
+    (found,) = load_runs(tmp_path)
+    assert [r["metrics_source"] for r in found.rounds] == ["server"] * 3
+    assert [r["metrics"] is None for r in found.rounds] == [True, False, True]
+    assert all(r["evaluate_metrics"] is not None for r in found.rounds)
+    assert found.curve()[0] == [2] and found.manifest["final"]["round"] == 2
+    without = TrustStrategy(rule="median", fraction_evaluate=1.0, min_available_nodes=4)
+    without.start(grid=federation(), initial_arrays=initial(), num_rounds=2)
+    assert [r["metrics"] for r in without.history] == [r["evaluate_metrics"] for r in without.history]
+    assert [r["metrics_source"] for r in without.history] == ["nodes"] * 2

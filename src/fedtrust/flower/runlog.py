@@ -25,6 +25,7 @@ from flwr.supercore import log
 
 from fedtrust.checkpoint import CorruptFileError
 from fedtrust.rules import rule as build_rule
+from fedtrust.sim.loop import final_metrics
 from fedtrust.sim.store import RunStore, computed_by, describe, interruption, now, this_code, versions
 
 REMEDY = "give the strategy another run_dir, or delete this one to start over"
@@ -115,7 +116,7 @@ class RunDirectory:
         return (self.store.manifest() or {}).get("seconds", 0.0) + time.perf_counter() - self.began
 
     def finish(self, records: list[dict[str, Any]], rounds: int) -> None:
-        metrics = next((r["metrics"] for r in reversed(records) if r.get("metrics")), None)
+        metrics = final_metrics(records)  # (with its round: the server may not score the last one)
         failed = bool(records) and all(r.get("error") for r in records)
         self.store.update_manifest(
             status="failed" if failed else "finished" if len(records) == rounds else "running",
