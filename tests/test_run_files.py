@@ -408,16 +408,19 @@ def test_a_run_computed_under_another_torch_is_computed_again_and_reported_as_ot
 def test_a_run_of_a_registered_rule_whose_code_changed_is_computed_again(tmp_path):
     """A config names a user's rule but not what it does: runs of an edited rule under the same name were
     skipped, printing the old rule's accuracy as the new one's (a freshness review: 0.91 where the edited
-    rule gives 0.12). The source of every registered component a run names is part of its identity."""
+    rule gives 0.12). The source of every registered component a run names, and of the user modules it
+    imports, is part of its identity: an edited helper module was skipped too (0.873 where it gives 0.107)."""
     import importlib.util
 
     from fedtrust.rules import RULES, register
     from fedtrust.sweeps.runner import StaleRunsWarning
 
-    def load(scale):
+    def load(scale, extra=1.0):
+        (tmp_path / "my_helper.py").write_text(f"SCALE = {scale}\n")
         (tmp_path / "my_rule.py").write_text(textwrap.dedent(f"""
             import dataclasses
 
+            import my_helper
             from fedtrust.aggregators.mean import Mean
 
             class Scaled(Mean):
@@ -425,11 +428,12 @@ def test_a_run_of_a_registered_rule_whose_code_changed_is_computed_again(tmp_pat
 
                 def aggregate(self, round, first):
                     out = super().aggregate(round, first)
-                    return dataclasses.replace(out, vector=out.vector * {scale})
+                    return dataclasses.replace(out, vector=out.vector * my_helper.SCALE * {extra})
             """))  # fmt: skip
-        spec = importlib.util.spec_from_file_location("my_rule", tmp_path / "my_rule.py")
-        module = sys.modules["my_rule"] = importlib.util.module_from_spec(spec)  # as an import does
-        spec.loader.exec_module(module)
+        for name in ("my_helper", "my_rule"):  # as an import does
+            spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+            module = sys.modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
         register("scaled", module.Scaled, replace=True)
 
     try:
@@ -437,13 +441,16 @@ def test_a_run_of_a_registered_rule_whose_code_changed_is_computed_again(tmp_pat
         cfg = config(train__rounds=2, rule={"name": "scaled"})
         (first,) = run_experiment(cfg, tmp_path / "out", progress=False)
         assert [o.status for o in run_experiment(cfg, tmp_path / "out", progress=False)] == ["skipped"]
-        load(-3.0)
-        with pytest.warns(StaleRunsWarning, match="a component you registered has changed"):
-            (again,) = run_experiment(cfg, tmp_path / "out", progress=False)
-        assert again.status == "finished" and again.final != first.final
+        for scale, extra in [(-3.0, 1.0), (-3.0, 0.5)]:  # the helper edited, then the rule's own file
+            load(scale, extra)
+            with pytest.warns(StaleRunsWarning, match="a component you registered has changed"):
+                (again,) = run_experiment(cfg, tmp_path / "out", progress=False)
+            assert again.status == "finished" and again.final != first.final
+            first = again
     finally:
         RULES.pop("scaled", None)
         sys.modules.pop("my_rule", None)
+        sys.modules.pop("my_helper", None)
 
 
 def test_a_run_computed_from_other_data_under_the_same_path_is_computed_again(tmp_path):

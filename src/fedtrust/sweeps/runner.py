@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import math
+import sys
 import traceback
 import warnings
 from dataclasses import dataclass
@@ -218,14 +219,59 @@ def user_code(cfg: ExperimentConfig) -> dict[str, str | None]:
 
 
 def _source_digest(builder: Any) -> str | None:
+    """A hash of the file that defines ``builder`` and of the user modules it imports, at any depth (a rule
+    that reads a constant from a helper module computes something else once the helper changes: it was
+    skipped with its old number). User modules are those whose files lie outside Python's own, the
+    installed packages' and fedtrust's; their contents are hashed, not their paths. Without a file (code
+    typed at a prompt), its source; None where neither can be read."""
     import inspect
 
     try:
         path = Path(inspect.getsourcefile(builder) or "")
-        text = path.read_bytes() if path.is_file() else inspect.getsource(builder).encode()
+        if not path.is_file():
+            return hashlib.sha256(inspect.getsource(builder).encode()).hexdigest()[:16]
+        files = _user_files(sys.modules.get(getattr(builder, "__module__", "")), path)
+        digests = sorted(hashlib.sha256(f.read_bytes()).hexdigest() for f in files)
     except (OSError, TypeError):
         return None
-    return hashlib.sha256(text).hexdigest()[:16]
+    return hashlib.sha256("".join(digests).encode()).hexdigest()[:16]
+
+
+def _user_files(module: Any, own: Path) -> set[Path]:
+    """``own`` (the defining file) and the files of the user modules ``module`` reaches through its
+    globals (modules, and the modules of the classes and functions it holds), at any depth."""
+    import inspect
+    import sysconfig
+
+    others = {
+        Path(p).resolve() for key, p in sysconfig.get_paths().items() if key.endswith(("lib", "stdlib"))
+    }
+    others.add(Path(fedtrust.__file__).resolve().parent)
+    files, seen, stack = {own.resolve()}, set(), [module]
+    while stack:
+        m = stack.pop()
+        if not inspect.ismodule(m) or id(m) in seen:
+            continue
+        seen.add(id(m))
+        where = getattr(m, "__file__", None)
+        if not where or not where.endswith(".py"):
+            continue
+        path = Path(where).resolve()
+        if any(path.is_relative_to(other) for other in others):
+            continue
+        files.add(path)
+        stack += [value if inspect.ismodule(value) else _module_of(value) for value in list(vars(m).values())]
+    return files
+
+
+def _module_of(value: Any) -> Any:
+    """The loaded module a class or function comes from, or None (an object whose ``__module__`` is not a
+    module's name, or that raises on the look)."""
+    try:
+        name = getattr(value, "__module__", None)
+    except Exception:  # noqa: BLE001 - a lazy object may raise anything on an attribute look
+        return None
+    return sys.modules.get(name) if isinstance(name, str) else None
 
 
 def config_hash(cfg: ExperimentConfig) -> str:
