@@ -34,6 +34,17 @@ from fedtrust.server import server_step
         ),
         ({"updates": torch.zeros(2, 3, dtype=torch.bool)}, TypeError, r"real numbers, got dtype torch.bool"),
         ({"updates": torch.zeros(2, 3, dtype=torch.complex64)}, TypeError, r"real numbers"),
+        (  # one client's row in a list: stacked, a bool row became 1.0s and got the mean's share
+            {"updates": [torch.zeros(3), torch.ones(3, dtype=torch.bool)]},
+            TypeError,
+            r"^Round.updates\[1\] has dtype torch.bool among rows of torch.float32",
+        ),
+        (
+            {"updates": [torch.zeros(3), torch.zeros(2)]},
+            ValueError,
+            r"^Round.updates\[1\] has shape \(2,\), Round.updates\[0\] \(3,\): the rows must have one shape$",
+        ),
+        ({"updates": [[0.0, 1.0], [2.0]]}, TypeError, r"got list \(setting an array element with a sequence"),
         ({"updates": "garbage"}, TypeError, r"Round.updates"),
         # each failed inside torch, or with "must be array-like numbers, got list"
         (
@@ -618,3 +629,9 @@ def test_a_loss_beyond_float32_is_quarantined_saying_it_overflowed():
         "d": "metric train_loss=inf is not finite in float32, the round's dtype (a value beyond 3.4e+38 "
         "overflows it)"
     }
+
+
+def test_big_endian_updates_are_read_as_their_numbers():
+    """A big-endian numpy array (">f4", as some file formats store floats) was refused ("dtype >f4")."""
+    x = np.arange(6, dtype=">f4").reshape(2, 3)
+    assert torch.equal(Round(updates=x).updates, torch.arange(6.0).reshape(2, 3))

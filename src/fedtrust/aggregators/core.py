@@ -80,15 +80,24 @@ def _as_tensor(field_name: str, value: Any, device: torch.device | None = None) 
     if isinstance(value, torch.Tensor):
         t = _dense(value)
     elif isinstance(value, list | tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
-        try:
-            t = torch.stack([_dense(v) for v in value])
-        except RuntimeError as exc:
-            raise ValueError(f"{field_name}: the rows must have one shape ({exc})") from None
+        rows = [_dense(v) for v in value]
+        for k, row in enumerate(rows):  # (stacked, a bool row among floats became 1.0s and was trusted)
+            if row.is_floating_point() != rows[0].is_floating_point() or row.dtype == torch.bool:
+                raise TypeError(f"{field_name}[{k}] has dtype {row.dtype} among rows of {rows[0].dtype}; "
+                                "every row holds real numbers of one kind")  # fmt: skip
+            if row.shape != rows[0].shape:
+                raise ValueError(f"{field_name}[{k}] has shape {tuple(row.shape)}, {field_name}[0] "
+                                 f"{tuple(rows[0].shape)}: the rows must have one shape")  # fmt: skip
+        t = torch.stack(rows)
     else:
         try:
             array = np.asarray(value)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"{field_name} must be array-like numbers, got {type(value).__name__}") from exc
+        except (TypeError, ValueError) as exc:  # a ragged list: numpy's words say where
+            raise TypeError(
+                f"{field_name} must be array-like numbers, got {type(value).__name__} ({exc})"
+            ) from exc
+        if not array.dtype.isnative:  # big-endian data (">f4"), which torch does not read
+            array = array.astype(array.dtype.newbyteorder("="))
         odd = [v for v in array.flat if np.asarray(v).dtype == object] if array.dtype == object else []
         if odd:  # None, or an integer beyond int64 (2**70), among the numbers
             why = (
