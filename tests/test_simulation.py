@@ -67,19 +67,25 @@ class Crash(Exception):
     pass
 
 
+def interrupt(cfg, store: RunStore, after: int) -> None:
+    """Run ``cfg`` into ``store`` and kill it (:class:`Crash`) once round ``after`` is written."""
+
+    def crash(record):
+        if record["round"] == after:
+            raise Crash
+
+    with pytest.raises(Crash):
+        build_simulation(cfg).run(store, on_round=crash)
+
+
 @pytest.mark.parametrize("rule", ["fedavg", "centered_clipping", "cfl"])
 def test_resume_after_a_crash_gives_the_uninterrupted_result(tmp_path, rule):
     cfg = config(rule__name=rule, train__rounds=8, train__checkpoint_every=3, train__fraction=0.6,
                  corruption__name="sign_flip", corruption__fraction=0.2)  # fmt: skip
     whole = build_simulation(cfg).run(RunStore(tmp_path / "whole"))
 
-    def crash_at_7(record):
-        if record["round"] == 7:
-            raise Crash
-
     store = RunStore(tmp_path / "crashed")
-    with pytest.raises(Crash):
-        build_simulation(cfg).run(store, on_round=crash_at_7)
+    interrupt(cfg, store, after=7)
     assert [r["round"] for r in store.rounds()] == list(range(1, 8))  # 7 written, checkpoint at 6
     assert not store.is_finished()
     resumed = build_simulation(cfg).run(store)  # a fresh process would rebuild everything from config
@@ -247,13 +253,8 @@ def test_a_resumed_fedag_run_scores_an_unaggregated_round_under_the_posterior_be
     assert [r["error"] is None for r in whole] == [False, True, True, False, True, False]
     assert "crps" in whole[-1]["metrics"]  # the last round is scored under round 5's posterior
 
-    def crash_after_5(record):
-        if record["round"] == 5:
-            raise Crash
-
     store = RunStore(tmp_path / "resumed")
-    with pytest.raises(Crash):
-        build_simulation(cfg).run(store, on_round=crash_after_5)
+    interrupt(cfg, store, after=5)
     resumed = build_simulation(cfg).run(store)
     assert json.dumps(strip_times(resumed)) == json.dumps(strip_times(whole))  # (NaN weights: as text)
     saved = [np.load(tmp_path / run / "predictions.npz") for run in ("whole", "resumed")]
