@@ -267,3 +267,19 @@ def test_a_resumed_fedag_run_scores_an_unaggregated_round_under_the_posterior_be
         evaluation.load_state_dict({"posterior": {"mean": torch.zeros(1), "var": torch.zeros(1),
                                                   "members": None, "weights": None, "chosen": [0, 9]}})  # fmt: skip
     assert evaluation.posterior is None  # refused before anything changed
+
+
+def test_a_session_killed_after_a_failed_one_leaves_no_earlier_result_in_the_manifest(tmp_path):
+    """A run that failed is run again and killed hard in round 1: its manifest said "running" beside the
+    failed session's final metrics, finish time and count, a result no finished computation gave (a
+    freshness review's suspicion, confirmed here)."""
+    cfg = config(train__rounds=3)
+    store = RunStore(tmp_path / "run")
+    build_simulation(cfg).run(store, {"config": {}})
+    store.clear()  # the files of a session that failed in round 1
+    store.write_manifest({"config": {}, "status": "failed", "error": "x", "final": {"accuracy": 0.5},
+                          "finished": "2026-01-01T00:00:00+0000", "not_aggregated": 1})  # fmt: skip
+    interrupt(cfg, store, after=1)
+    manifest = store.manifest()
+    assert manifest["status"] == "running" and "interrupted" in manifest
+    assert not {"final", "finished", "not_aggregated", "error"} & set(manifest)

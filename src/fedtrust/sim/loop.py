@@ -291,7 +291,9 @@ class Simulation:
             finished = store.finished_rounds(self.rounds)
             if finished is not None:
                 return finished
-            stale = ("error", "traceback", "interrupted")
+            # what an earlier session ended with is not this one's: a session killed hard must not leave a
+            # running manifest with a failed session's final metrics
+            stale = ("error", "traceback", "interrupted", "final", "finished", "not_aggregated")
             stored = {k: v for k, v in (store.manifest() or {}).items() if k not in stale}
             if not stored and any(p.exists() for p in (store.rounds_path, store.checkpoint_path)):
                 warnings.warn(
