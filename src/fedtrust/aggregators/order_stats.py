@@ -1,11 +1,13 @@
 """The compiled order-statistics kernel (``order_stats.c``) behind the median and the trimmed mean.
 
 :func:`window_block` gives, for a float32 (n, c) column block, each column's mean over the ranks
-lo..hi-1 and each row's share of those (column, rank) slots, exactly what the numpy path of
-:func:`fedtrust.aggregators.rank_windows.rank_window` computes, in one pass over the block in L1-sized tiles:
-a comparator network (Batcher's odd-even merge sort on the tile's columns, pruned to the ranks the window
-reads) instead of a transposed copy sorted row by row. Several times faster per thread; measured in
-``benchmarks/README.md``.
+lo..hi-1 and each row's share of those (column, rank) slots, in one pass over the block in L1-sized
+tiles: a comparator network (Batcher's odd-even merge sort on the tile's columns, pruned to the ranks the
+window reads) instead of a transposed copy sorted row by row. Several times faster per thread; measured in
+``benchmarks/README.md``. The windows and shares are those of the numpy path of
+:func:`fedtrust.aggregators.rank_windows.rank_window`, the means to float32 rounding (their sums run in
+another order: up to 2.4e-7 apart on N(0, 1) columns). A run's manifest records which path it took
+(``versions["order_stats_kernel"]``), beside its thread count, as what its last digits depend on.
 
 The extension is optional (``setup.py``): when it was not built, :data:`COMPILED` is False and callers
 take the numpy path.
