@@ -179,12 +179,18 @@ def test_quantity_skew_conserves_rows_and_varies_sizes():
     assert min(sizes) >= 10 and max(sizes) > 3 * min(sizes)
 
 
-def test_overlapping_shares_a_pool_of_the_requested_size():
-    parts = partitioner("overlapping", overlap=0.25)(DIGITS, 4, G().manual_seed(0))
+@pytest.mark.parametrize("overlap, clients", [(0.25, 4), (0.2, 10), (0.0, 10)])
+def test_overlapping_shares_a_pool_of_the_requested_size(overlap, clients):
+    """The pool is the share asked for, to a row: the rows the floored own shares left over went to the
+    pool, so at overlap 0 every client held the same 7 rows and at 0.2 22% was shared. At 0 it is iid."""
+    parts = partitioner("overlapping", overlap=overlap)(DIGITS, clients, G().manual_seed(0))
     pool = set(parts[0].tolist()).intersection(*(set(p.tolist()) for p in parts[1:]))
     assert set().union(*(set(p.tolist()) for p in parts)) == set(range(len(DIGITS)))
     for p in parts:
-        assert len(pool) / len(p) == pytest.approx(0.25, abs=0.01)
+        assert abs(len(pool) - overlap * len(p)) <= 1
+    if overlap == 0:
+        iid = partitioner("iid")(DIGITS, clients, G().manual_seed(0))
+        assert all(torch.equal(a, b) for a, b in zip(parts, iid, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -504,3 +510,33 @@ def test_clients_without_rows_are_announced_and_both_executors_report_no_loss():
     losses = mean_losses(model, model.init(0), fed.data)
     full = [k for k in range(10) if k not in empty]
     assert torch.isnan(losses[empty]).all() and torch.isfinite(losses[full]).all()
+
+
+def test_a_share_of_clients_is_rounded_half_up_the_same_everywhere():
+    """Python's round took 0.25 of 10 clients to 2 and 0.35 and 0.45 both to 4 (half to even), and so the
+    clients sampled per round (0.125, 0.175, 0.225 of 20: 2, 4, 4). One rule now: half up."""
+    from fedtrust._checks import share_count
+    from fedtrust.sim.settings import TrainSettings
+
+    assert [share_count(f, 10) for f in (0.05, 0.15, 0.25, 0.3, 0.35, 0.45)] == [1, 2, 3, 3, 4, 5]
+    assert [TrainSettings(fraction=f).clients_per_round(20) for f in (0.125, 0.175, 0.225)] == [3, 4, 5]
+    data = load_digits()
+    for fraction, bad in [(0.25, 3), (0.35, 4), (0.45, 5)]:
+        fed = build_federation(data, 10, partitioner("iid"), 0, data_corruption("label_flip"), fraction)
+        assert int(fed.corrupted.sum()) == bad
+
+
+def test_a_corrupted_client_holds_at_least_one_corrupted_row():
+    """samples 0.5 of a 1-row client rounded to no row (and 0.005 of 68 rows): the client was flagged and
+    scored as corrupted with clean data. A share above 0 now corrupts at least one row."""
+    from fedtrust.data.corruptions import corrupt
+
+    flip = data_corruption("label_flip", target=7)
+    x, y = torch.zeros(1, 3), torch.tensor([2])
+    assert corrupt(flip, x, y, 10, 0.5, torch.Generator().manual_seed(0))[1].tolist() != [2]
+    y = torch.full((68,), 2)
+    assert (
+        int((corrupt(flip, torch.zeros(68, 3), y, 10, 0.005, torch.Generator().manual_seed(0))[1] != 2).sum())
+        == 1
+    )
+    assert torch.equal(corrupt(flip, torch.zeros(68, 3), y, 10, 0.0, torch.Generator())[1], y)

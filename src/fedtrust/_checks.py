@@ -75,6 +75,14 @@ def check_choice(field: str, value: Any, choices: Iterable[str]) -> str:
 STOPPING_EPS = 64
 
 
+def share_count(share: float, total: int) -> int:
+    """How many of ``total`` things a ``share`` of them is: ``share * total`` rounded half up (2.5 -> 3;
+    Python's ``round`` gave 2, so 0.25 of 10 clients was 2 and 0.35 and 0.45 both 4), after rounding away
+    float noise (0.35 * 10 is 3.4999999999999996, meant as 3.5). The one rule for corrupted clients,
+    sampled clients, corrupted rows and benchmark rows."""
+    return math.floor(round(share * total, 9) + 0.5)
+
+
 def stopping_tol(dtype: torch.dtype) -> float:
     """The default stopping tolerance of an iterative estimator on data of ``dtype``: ``STOPPING_EPS``
     machine epsilons (7.6e-6 for float32, 1.4e-14 for float64). Weights that sum to ~1, computed from

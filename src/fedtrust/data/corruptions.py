@@ -70,7 +70,10 @@ class FeatureNoise:
 
 
 class TargetNoise:
-    """Regression targets + N(0, (std * sd(y))^2): noise relative to the targets' own spread."""
+    """Regression targets + N(0, (std * sd(y))^2): noise relative to the targets' own spread, sd(y) that
+    of the rows it corrupts (a client's ``samples`` share of its rows: all of them by default). A single
+    row has no spread: its scale is 1.0, the spread of standardised targets (the regression data sets
+    but synthetic_linear are standardised; there, 1.0 is in the targets' own units)."""
 
     def __init__(self, std: float = 1.0):
         self.std = check_float("corruption target_noise: std", std, minimum=0.0)
@@ -115,10 +118,15 @@ def _takes_client(corruption) -> bool:
 
 
 def corrupt(corruption, x, y, num_classes, fraction: float, g: torch.Generator, client: int | None = None):
-    """Apply ``corruption`` to a random ``fraction`` of the rows of (x, y); returns new tensors.
+    """Apply ``corruption`` to a random ``fraction`` of the rows of (x, y), at least one row where
+    ``fraction`` > 0: a client counted as corrupted holds corrupted data (a 1-row client at ``samples:
+    0.5``, or 68 rows at 0.005, was left clean and still scored as an attacker). The rows are counted by
+    Python's ``round`` (half to even: 4.5 rows -> 4), unlike the clients
+    (:func:`~fedtrust._checks.share_count`, half up), so that the stored runs' corrupted rows stay what
+    they were (the robustness tables' backdoor clients poison half their rows). Returns new tensors.
     ``client`` (the client's rank among the corrupted ones) is passed on to a corruption that takes it
     (DBA: which stripe of the trigger this client stamps)."""
-    k = int(round(fraction * len(y)))
+    k = min(len(y), max(round(fraction * len(y)), int(fraction > 0)))
     if k == 0:
         return x, y
     rows = torch.randperm(len(y), generator=g)[:k]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedtrust._checks import check_float, check_int
+from fedtrust._checks import check_float, check_int, share_count
 from fedtrust.data.datasets import Dataset
 from fedtrust.registry import build
 
@@ -125,7 +125,10 @@ class QuantitySkew:
 
 class Overlapping:
     """IID shares plus a common pool every client also holds: a fraction ``overlap`` of each client's
-    rows is shared with all other clients (the overlapping local data of Nguyen et al., Proposition 2)."""
+    rows is shared with all other clients (the overlapping local data of Nguyen et al., Proposition 2).
+    The pool is the rounded count (half up) and the own shares differ by at most a row: ``overlap`` 0 is
+    the ``iid`` split itself (the rows the floored own shares left over went to the pool: every client
+    held the same n mod clients rows at 0, and 22% of them were shared at 0.2)."""
 
     def __init__(self, overlap: float = 0.2):
         self.overlap = check_float("partition overlapping: overlap", overlap, minimum=0.0, maximum=0.99)
@@ -133,8 +136,7 @@ class Overlapping:
     def __call__(self, dataset: Dataset, clients: int, g: torch.Generator) -> list[torch.Tensor]:
         n = len(dataset)
         # per client: s shared + o own rows, with s = overlap * (s + o) and s + clients * o = n
-        own = int(n * (1 - self.overlap) / (clients * (1 - self.overlap) + self.overlap))
-        shared = n - clients * own
+        shared = share_count(self.overlap / (clients * (1 - self.overlap) + self.overlap), n)
         _check_clients(clients, n - shared)
         order = torch.randperm(n, generator=g)
         pool, rest = order[:shared], order[shared:]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from fedtrust._checks import share_count
 from fedtrust.data.corruptions import corrupt
 from fedtrust.data.datasets import Dataset
 from fedtrust.seeding import stream
@@ -48,7 +49,7 @@ def benchmark_rows(size: int | float, n: int) -> int:
     """How many of ``n`` training rows ``data.benchmark`` (rows, an int, or a share, a float < 1) keeps for
     the server; 0 without a benchmark. A share so small that it rounds to no row, or rows that leave no
     training data, are refused (a rule that reads the benchmark would refuse every round)."""
-    count = int(round(size * n)) if isinstance(size, float) else int(size)
+    count = share_count(size, n) if isinstance(size, float) else int(size)
     if size > 0 and count <= 0:
         raise ValueError(f"data.benchmark: a share of {size!r} of the {n} training rows is no row; ask for "
                          "at least one (an int counts rows)")  # fmt: skip
@@ -106,7 +107,7 @@ def build_federation(
             "update and a NaN training loss every round",
             stacklevel=2,
         )
-    n_bad = int(round(corrupted_fraction * clients))
+    n_bad = share_count(corrupted_fraction, clients)
     bad = torch.zeros(clients, dtype=torch.bool)
     bad[torch.randperm(clients, generator=stream(seed, "corrupted"))[:n_bad]] = True
     data = []

@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from fedtrust._checks import Settings
+from fedtrust._checks import Settings, share_count
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps|xpu(:\d+)?")
 
@@ -111,5 +111,6 @@ class TrainSettings(Settings):
         return 1 if self.mode == "one_round" else self.rounds
 
     def clients_per_round(self, k: int) -> int:
-        """How many of ``k`` clients a round samples: ``fraction`` of them, at least one."""
-        return max(1, round(self.fraction * k))
+        """How many of ``k`` clients a round samples: ``fraction`` of them (rounded half up:
+        :func:`~fedtrust._checks.share_count`), at least one."""
+        return max(1, share_count(self.fraction, k))

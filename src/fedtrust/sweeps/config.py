@@ -31,7 +31,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from fedtrust._checks import SEED_LIMIT, Settings
+from fedtrust._checks import SEED_LIMIT, Settings, share_count
 from fedtrust.attacks import ATTACKS
 from fedtrust.data import DATASETS
 from fedtrust.data.corruptions import DATA_CORRUPTIONS
@@ -235,10 +235,10 @@ def _check_components(cfg: ExperimentConfig, where: str) -> None:
             "or the share (a float < 1) the server keeps clean"
         )
     c = cfg.corruption
-    if c.fraction > 0 and round(c.fraction * cfg.data.clients) == 0:
+    if c.fraction > 0 and share_count(c.fraction, cfg.data.clients) == 0:
         raise ConfigError(
             f"{where}corruption.fraction: {c.fraction} of {cfg.data.clients} clients rounds to no corrupted "
-            f"client; give more than {0.5 / cfg.data.clients:.3g}, or 0 for none"
+            f"client; give at least {0.5 / cfg.data.clients:.3g} (counts round half up), or 0 for none"
         )
     corruption = lookup_corruption(c.name, where)
     if corruption is not None:
