@@ -154,6 +154,25 @@ def test_flame_reads_a_round_with_previous_as_models():
     close(out.info["clients"]["clip"], [1.0, 1.0, 0.5, 1.0, 1.0])
 
 
+def test_flame_tells_models_near_the_global_model_apart_as_float64_does():
+    """Models G + delta_i with ||G|| ~ 300 ||delta_i|| (one round's step), four of twelve sharing a
+    direction: Algorithm 1's cosine distances of the models are about 1e-5, the float32 Gram of the models
+    themselves resolved them to 5% and the admitted set differed from an exact float64 computation in 10
+    of 20 draws. From the moments about G_{t-1} in float64 it agrees in all of them."""
+    from fedtrust.aggregators.flame import majority_cluster
+
+    g = torch.Generator().manual_seed(9)
+    for _ in range(20):
+        centre = torch.randn(1000, generator=g, dtype=torch.float64)
+        delta = 0.003 * torch.randn(12, 1000, generator=g, dtype=torch.float64)
+        delta[:4] = 0.003 * (torch.randn(1000, generator=g, dtype=torch.float64) + 0.3 * delta[:4] / 0.003)
+        models = (centre + delta).float()
+        exact = models.double() / models.double().norm(dim=1, keepdim=True)
+        distances = (1 - exact @ exact.T).clamp(0, 2).fill_diagonal_(0)
+        out = rule("flame", noise=0.0)(Round(updates=models, previous=centre.float()))
+        assert torch.equal(out.weights > 0, majority_cluster(distances))
+
+
 def test_flame_adds_gaussian_noise_of_std_lambda_times_the_median_norm():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(7, 20000, generator=g, dtype=F64) + 1
