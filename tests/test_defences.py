@@ -173,6 +173,26 @@ def test_flame_tells_models_near_the_global_model_apart_as_float64_does():
         assert torch.equal(out.weights > 0, majority_cluster(distances))
 
 
+@pytest.mark.parametrize(
+    "name", ["norm_bounding", "foolsgold", "centered_clipping", "arc+mean", "clipping+median"]
+)
+def test_a_round_of_models_is_read_as_their_updates_by_rules_that_measure_from_the_origin(name):
+    """Given models (Round.previous, the global model), these clipped or compared the parameters as
+    vectors: the step differed by up to 7.9 from the same round given as updates (a defences review).
+    Over three rounds (FoolsGold's history, centred clipping's centre) the models' round gives the
+    updates' round's result plus the global model, and the same weights."""
+    g = torch.Generator().manual_seed(3)
+    models_rule, updates_rule = rule(name), rule(name)
+    for _ in range(3):
+        centre = 10 * torch.randn(30, generator=g, dtype=torch.float64)
+        x = torch.randn(8, 30, generator=g, dtype=torch.float64)
+        x[:2] *= 20  # two large updates for the clipping to bite on
+        a = updates_rule(Round(updates=x))
+        b = models_rule(Round(updates=x + centre, previous=centre))
+        torch.testing.assert_close(b.vector, a.vector + centre)
+        torch.testing.assert_close(b.weights, a.weights)
+
+
 def test_flame_adds_gaussian_noise_of_std_lambda_times_the_median_norm():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(7, 20000, generator=g, dtype=F64) + 1

@@ -43,6 +43,11 @@ class Component:
     across rounds unless they override ``state_dict`` / ``load_state_dict``."""
 
     name: ClassVar[str] = "base"
+    #: Whether the result depends on where the origin is (a norm clipped, a cosine, a history summed): the
+    #: component reads updates (differences from the global model). The front door reads a round of models
+    #: (with ``Round.previous``) as their updates and returns a model (they were clipped or compared as
+    #: parameters: the step differed by up to 7.9 from the same round given as updates).
+    reads_deltas: ClassVar[bool] = False
     #: A Byzantine budget's requirement, where the component has one: its text and the fewest vectors
     #: that tolerate f (``"n > 2f + 2", lambda f: 2 * f + 3`` for Krum).
     need: tuple[str, Any] | None = None

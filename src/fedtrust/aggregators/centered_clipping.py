@@ -38,6 +38,7 @@ class CenteredClipping(BaseRule):
     """
 
     name = "centered_clipping"
+    reads_deltas = True
     paper = "Karimireddy, He, Jaggi 2021, Learning from History for Byzantine Robust Optimization"
 
     def __init__(self, tau: float = 10.0, n_iter: int = 1):

@@ -177,8 +177,12 @@ class Round:
                   split, ``reference(update) -> mean loss`` of the model one update gives (FOCUS's eq 4,
                   the "benchmark" loss defence).
     previous:     optional (d,) previous global vector, when ``updates`` are the clients' models
-                  (parameters): rules that read models (FLAME, CFL) measure from it. Leave it None when
-                  ``updates`` are deltas (as the simulator and the Flower strategy send).
+                  (parameters): rules that read models (FLAME, CFL) measure from it; rules whose result
+                  does not depend on the origin (the mean, median, Krum, ...) need not; rules whose
+                  result does (norm bounding, FoolsGold, FLTrust, centred clipping, the clipping and ARC
+                  pre-aggregators: ``reads_deltas``) get the updates x_i - previous and their result
+                  plus previous (:meth:`as_updates`). Leave it None when ``updates`` are deltas (as the
+                  simulator and the Flower strategy send).
     quarantined:  client id -> reason, for clients of this round already removed as malformed (the front
                   door, :mod:`~fedtrust.aggregators.screening`, fills it in). They are known-faulty:
                   rules with a Byzantine budget ``f`` count them against it.
@@ -329,6 +333,17 @@ class Round:
     @property
     def d(self) -> int:
         return self.updates.shape[1]
+
+    def as_updates(self) -> Round:
+        """A round of models as the clients' updates: ``updates - previous``, no ``previous``."""
+        return Round(
+            updates=self.updates - self.previous,
+            client_ids=self.client_ids,
+            num_samples=self.num_samples,
+            metrics=self.metrics,
+            reference=self.reference,
+            quarantined=self.quarantined,
+        )
 
     def select(self, index: torch.Tensor | Sequence[int], quarantined: Mapping | None = None) -> Round:
         """The same round restricted to the clients at ``index`` (in that order); ``quarantined``, when

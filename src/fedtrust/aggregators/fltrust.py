@@ -33,6 +33,7 @@ class FLTrust(BaseRule):
     """
 
     name = "fltrust"
+    reads_deltas = True
     reads_reference = ("update",)
     paper = "Cao, Fang, Liu, Gong 2021, FLTrust: Byzantine-robust Federated Learning via Trust Bootstrapping"
 

@@ -112,6 +112,7 @@ class FoolsGold(BaseRule):
     """
 
     name = "foolsgold"
+    reads_deltas = True
     per_client_state = True
     paper = "Fung, Yoon, Beschastnikh 2020, The Limitations of Federated Learning in Sybil Settings (RAID)"
 

@@ -44,6 +44,7 @@ class NormBounding(BaseRule):
     """
 
     name = "norm_bounding"
+    reads_deltas = True
     paper = "Sun, Kairouz, Suresh, McMahan 2019, Can You Really Backdoor Federated Learning?"
 
     def __init__(self, bound: float | None = None):

@@ -169,6 +169,7 @@ class Clipping(PreAggregator):
     """
 
     name = "clipping"
+    reads_deltas = True
     paper = "static clipping (ByzFL's Clipping; Allouah et al. 2025, Figure 1)"
 
     def __init__(self, c: float = 2.0):
@@ -193,6 +194,7 @@ class ARC(PreAggregator):
     """
 
     name = "arc"
+    reads_deltas = True
     paper = "Allouah et al. 2025, Adaptive Gradient Clipping for Robust Federated Learning (ARC)"
 
     need = NEED
@@ -269,6 +271,7 @@ class PreAggregated(BaseRule):
                 "rows do not have; use it without pre-aggregators"
             )
         self._keeps = all(p.keeps_rows for p in pre)  # row i of the mixed vectors is client i's
+        self.reads_deltas = any(p.reads_deltas for p in pre) or getattr(rule, "reads_deltas", False)
         if not self._keeps:
             if getattr(rule, "per_client_state", False):
                 raise ValueError(
