@@ -393,3 +393,22 @@ def test_a_rule_with_per_client_state_keeps_it_by_client_behind_row_keeping_stag
     with pytest.raises(ValueError, match=r"f=0.2 after bucketing would be a fraction of the buckets"):
         rule("krum", f=0.2, pre=[{"name": "bucketing", "s": 2}])
     assert rule("krum", f=2, pre=[{"name": "bucketing", "s": 2}]).rule.f == 2  # a count is what it means
+
+
+def test_a_stage_after_bucketing_counts_its_f_in_clients_and_its_default_in_buckets(monkeypatch):
+    """A stage's fractional f after bucketing was taken (the rule's was refused) and counted buckets and
+    quarantined clients together: ARC with f=0.2 on 20 clients, 2 of them quarantined, clipped nothing. It
+    is refused like the rule's; a count is corrupted clients; f=None is half the buckets."""
+    from fedtrust.aggregators import pre
+
+    for spec in ("bucketing+arc+mean", "bucketing+nnm+median"):
+        with pytest.raises(ValueError, match=r"(arc|nnm)'s f=0.2 after bucketing would be a fraction"):
+            rule(spec, f=0.2)
+    x = torch.randn(20, 6, generator=torch.Generator().manual_seed(0), dtype=F64)
+    x[:2] = math.nan  # two quarantined: 18 clients, 9 buckets
+    budgets = []
+    budget = pre._budget
+    monkeypatch.setattr(pre, "_budget", lambda *a: budgets.append(budget(*a)) or budgets[-1])
+    for f in (None, 4):
+        rule("bucketing+arc+mean", f=f)(Round(updates=x))
+    assert budgets == [4, 2]  # half the 9 buckets; 4 corrupted clients less the 2 quarantined

@@ -128,9 +128,12 @@ class Bucketing(SeededCalls, PreAggregator):
     Bucketing", ICLR 2022, Algorithm 1): a random permutation pi of the n vectors, cut into
     ceil(n / s) buckets of s consecutive ones, each replaced by its mean.
 
-    s: bucket size (int >= 1; 1 only shuffles). When s does not divide n the last bucket holds the
-    n mod s left over and is their mean (Algorithm 1 writes 1/s times their sum, which would shrink that
-    bucket towards 0; the mean keeps every output an average of updates, like the others).
+    s: bucket size (int >= 1; 1 only shuffles), 2 by default as in the paper's experiments (ByzFL's
+    default is 1). Stages after bucketing count their f in corrupted clients (each spoils at most one
+    bucket): a fractional f is refused there, and f=None is half the buckets. When s does not divide n
+    the last bucket holds the n mod s left over and is their mean (Algorithm 1 writes 1/s times their
+    sum, which would shrink that bucket towards 0; the mean keeps every output an average of updates,
+    like the others).
     seed: the permutations come from a stream keyed by (seed, rounds bucketed so far)
     (:class:`~fedtrust.aggregators.state.SeededCalls`): a run replays them, and ``state_dict`` holds the
     count, so a resumed run continues them.
@@ -189,8 +192,10 @@ class ARC(PreAggregator):
     norm: ``x_i <- min(1, C / ||x_i||) x_i``; the others are left as they are.
 
     f: as for :class:`NNM` (n and f are the vectors ARC receives, after quarantined clients are taken
-    off f). Ties in norm are broken by index; a vector whose norm equals C is unchanged whichever side of
-    the cut it falls, so tied vectors are treated alike.
+    off f). Its default, None, is the most any honest majority allows, floor((n - 1) / 2), where ByzFL's
+    is 0: ``arc+mean`` without f clips about half the vectors every round, attacked or not. Ties in norm
+    are broken by index; a vector whose norm equals C is unchanged whichever side of the cut it falls, so
+    tied vectors are treated alike.
     """
 
     name = "arc"
@@ -272,17 +277,22 @@ class PreAggregated(BaseRule):
             )
         self._keeps = all(p.keeps_rows for p in pre)  # row i of the mixed vectors is client i's
         self.reads_deltas = any(p.reads_deltas for p in pre) or getattr(rule, "reads_deltas", False)
-        if not self._keeps:
-            if getattr(rule, "per_client_state", False):
-                raise ValueError(
-                    f"{self.name}: rule {inner!r} keeps state per client across rounds, but after "
-                    "bucketing its rows are random buckets of clients; use it without bucketing"
-                )
-            f = getattr(rule, "f", None)
+        if not self._keeps and getattr(rule, "per_client_state", False):
+            raise ValueError(
+                f"{self.name}: rule {inner!r} keeps state per client across rounds, but after "
+                "bucketing its rows are random buckets of clients; use it without bucketing"
+            )
+        # a fraction of the buckets is not the corrupted clients' share: refused for the rule and for a stage
+        # after bucketing alike (a stage's was taken, and mixed buckets with clients: ARC with f=0.2 and 2
+        # clients quarantined clipped nothing)
+        after = [p for k, p in enumerate(pre) if not all(q.keeps_rows for q in pre[:k])]
+        for part in [*after, rule] if not self._keeps else after:
+            f = getattr(part, "f", None)
             if isinstance(f, float) and f > 0:
+                whose = "" if part is rule else f"{part.name}'s "
                 raise ValueError(
-                    f"{self.name}: f={f!r} after bucketing would be a fraction of the buckets; give f as the "
-                    "number of corrupted clients (each spoils at most one bucket)"
+                    f"{self.name}: {whose}f={f!r} after bucketing would be a fraction of the buckets; give f "
+                    "as the number of corrupted clients (each spoils at most one bucket)"
                 )
         self._pre = list(pre)
         self._rule = rule
@@ -318,10 +328,11 @@ class PreAggregated(BaseRule):
     def aggregate(self, round: Round) -> Aggregate:
         x = round.updates
         quarantined = len(round.quarantined)
-        mixed, mixing = x, None
+        mixed, mixing, bucketed = x, None, False
         for stage in self._pre:
-            try:
-                mixed, m = stage(mixed, quarantined)
+            try:  # f=None after bucketing: half the buckets, not of buckets and quarantined clients together
+                mixed, m = stage(mixed, 0 if bucketed and getattr(stage, "f", 0) is None else quarantined)
+                bucketed = bucketed or not stage.keeps_rows
             except ValueError as exc:  # (a RoundRefused too) named for the rule the user built
                 raise type(exc)(f"{self.name}: {exc}") from None
             mixing = m if mixing is None else m @ mixing
