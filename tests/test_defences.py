@@ -173,24 +173,66 @@ def test_flame_tells_models_near_the_global_model_apart_as_float64_does():
         assert torch.equal(out.weights > 0, majority_cluster(distances))
 
 
+class _Server:
+    """The server's benchmark for FLTrust and the loss defence, in the round's own terms: ``server`` its
+    update g_0, ``origin`` what a row is measured from (the global model for a round of models, else 0)."""
+
+    size = 5
+
+    def __init__(self, server, origin):
+        self.server, self.origin = server, origin
+
+    def __call__(self, row):
+        return float((row - self.origin - self.server).square().sum())
+
+    def update(self):
+        return self.server + self.origin
+
+
 @pytest.mark.parametrize(
-    "name", ["norm_bounding", "foolsgold", "centered_clipping", "arc+mean", "clipping+median"]
-)
-def test_a_round_of_models_is_read_as_their_updates_by_rules_that_measure_from_the_origin(name):
+    "name, options",
+    [("norm_bounding", {}), ("foolsgold", {}), ("centered_clipping", {}), ("fltrust", {}), ("arc+mean", {}),
+     ("clipping+median", {}), ("fedag", {"base": "norm_bounding"}), ("fedag", {"base": "centered_clipping"})],
+)  # fmt: skip
+def test_a_round_of_models_is_read_as_their_updates_by_rules_that_measure_from_the_origin(name, options):
     """Given models (Round.previous, the global model), these clipped or compared the parameters as
-    vectors: the step differed by up to 7.9 from the same round given as updates (a defences review).
-    Over three rounds (FoolsGold's history, centred clipping's centre) the models' round gives the
-    updates' round's result plus the global model, and the same weights."""
+    vectors: the step differed by up to 7.9 from the same round given as updates (a defences review),
+    FLTrust compared updates with the server's model, FedAG's base clipped models (a diff review). Over
+    three rounds (FoolsGold's history, centred clipping's centre) the models' round gives the updates'
+    round's result plus the global model, and the same weights."""
     g = torch.Generator().manual_seed(3)
-    models_rule, updates_rule = rule(name), rule(name)
+    models_rule, updates_rule = rule(name, **options), rule(name, **options)
     for _ in range(3):
         centre = 10 * torch.randn(30, generator=g, dtype=torch.float64)
         x = torch.randn(8, 30, generator=g, dtype=torch.float64)
         x[:2] *= 20  # two large updates for the clipping to bite on
-        a = updates_rule(Round(updates=x))
-        b = models_rule(Round(updates=x + centre, previous=centre))
+        server = x[2:].mean(0)
+        loss = {"train_loss": torch.rand(8, generator=g, dtype=torch.float64)}
+        a = updates_rule(Round(updates=x, metrics=loss, reference=_Server(server, 0.0)))
+        b = models_rule(
+            Round(updates=x + centre, metrics=loss, reference=_Server(server, centre), previous=centre)
+        )
         torch.testing.assert_close(b.vector, a.vector + centre)
         torch.testing.assert_close(b.weights, a.weights)
+
+
+def test_flame_and_cfl_read_models_behind_a_stage_that_reads_updates():
+    """clipping(c=1e9), which clips nothing, in front of FLAME took the round's models away from it (the
+    front door handed the whole composition updates): its admitted set changed in 9 of 10 draws. The
+    composition now hands its stages the updates and the rule the clipped models."""
+    g = torch.Generator().manual_seed(4)
+    for _ in range(10):
+        centre = 3 * torch.randn(200, generator=g, dtype=torch.float64)
+        delta = 0.3 * torch.randn(9, 200, generator=g, dtype=torch.float64)
+        delta[:4] += 0.5 * torch.randn(200, generator=g, dtype=torch.float64)
+        r = Round(updates=centre + delta, previous=centre)
+        for name in ("flame", "cfl"):
+            plain = rule(name, **({"noise": 0.0} if name == "flame" else {}))(r)
+            staged = rule(
+                name, pre=[{"name": "clipping", "c": 1e9}], **({"noise": 0.0} if name == "flame" else {})
+            )(r)
+            torch.testing.assert_close(staged.weights, plain.weights)
+            torch.testing.assert_close(staged.vector, plain.vector)
 
 
 def test_flame_adds_gaussian_noise_of_std_lambda_times_the_median_norm():

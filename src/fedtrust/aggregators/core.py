@@ -81,8 +81,11 @@ def _as_tensor(field_name: str, value: Any, device: torch.device | None = None) 
         t = _dense(value)
     elif isinstance(value, list | tuple) and value and all(isinstance(v, torch.Tensor) for v in value):
         rows = [_dense(v) for v in value]
-        for k, row in enumerate(rows):  # (stacked, a bool row among floats became 1.0s and was trusted)
-            if row.is_floating_point() != rows[0].is_floating_point() or row.dtype == torch.bool:
+        for k, row in enumerate(rows):  # stacked, a bool row among floats became 1.0s and was trusted (an
+            # integer update among float ones too; scalars, a client's count or metric, may mix kinds)
+            if row.dtype == torch.bool or (
+                row.dim() and row.is_floating_point() != rows[0].is_floating_point()
+            ):
                 raise TypeError(f"{field_name}[{k}] has dtype {row.dtype} among rows of {rows[0].dtype}; "
                                 "every row holds real numbers of one kind")  # fmt: skip
             if row.shape != rows[0].shape:
@@ -315,7 +318,7 @@ class Round:
             raise ValueError(f"Round.client_ids must be distinct: {dup!r} appears {ids.count(dup)} times")
         if len({str(i) for i in ids}) != n:  # records and reports name clients by str(id)
             named = [str(i) for i in ids]
-            a, b = (i for i in ids if named.count(str(i)) > 1)
+            a, b = [i for i in ids if named.count(str(i)) > 1][:2]
             raise ValueError(f"Round.client_ids {a!r} and {b!r} would both be named {str(a)!r} in the "
                              "round's records; give distinct names")  # fmt: skip
         return ids
@@ -335,15 +338,19 @@ class Round:
         return self.updates.shape[1]
 
     def as_updates(self) -> Round:
-        """A round of models as the clients' updates: ``updates - previous``, no ``previous``."""
-        return Round(
+        """A round of models as the clients' updates: ``updates - previous``, no ``previous``; its
+        reference reads updates too (:class:`_UpdatesReference`: the same losses, the server's own update
+        less ``previous``)."""
+        out = Round(
             updates=self.updates - self.previous,
             client_ids=self.client_ids,
             num_samples=self.num_samples,
             metrics=self.metrics,
-            reference=self.reference,
+            reference=None if self.reference is None else _UpdatesReference(self.reference, self.previous),
             quarantined=self.quarantined,
         )
+        object.__setattr__(out, "reported_samples", self.reported_samples)  # the counts as given
+        return out
 
     def select(self, index: torch.Tensor | Sequence[int], quarantined: Mapping | None = None) -> Round:
         """The same round restricted to the clients at ``index`` (in that order); ``quarantined``, when
@@ -359,6 +366,20 @@ class Round:
             previous=self.previous,
             quarantined=self.quarantined if quarantined is None else quarantined,
         )
+
+
+class _UpdatesReference:
+    """A reference to a round of models (its rows, and its ``update()``, are models) read in updates: a
+    row x is the model ``x + previous``, and the server's update is its model less ``previous``."""
+
+    def __init__(self, reference: Any, previous: torch.Tensor):
+        self.reference, self.previous = reference, previous
+        self.size = getattr(reference, "size", 1)
+        if callable(getattr(reference, "update", None)):
+            self.update = lambda: torch.as_tensor(reference.update()).to(previous) - previous
+
+    def __call__(self, update: torch.Tensor) -> float:
+        return self.reference(update + self.previous)
 
 
 @dataclass

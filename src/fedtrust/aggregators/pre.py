@@ -276,7 +276,10 @@ class PreAggregated(BaseRule):
                 "rows do not have; use it without pre-aggregators"
             )
         self._keeps = all(p.keeps_rows for p in pre)  # row i of the mixed vectors is client i's
-        self.reads_deltas = any(p.reads_deltas for p in pre) or getattr(rule, "reads_deltas", False)
+        # a round of models (Round.previous): stages that measure from the origin (clipping, ARC) get the
+        # updates, and the rule the mixed models with previous (FLAME and CFL read models; the front door
+        # gives a rule that reads updates its updates): the composition handles previous itself
+        self._shift = any(p.reads_deltas for p in pre)
         if not self._keeps and getattr(rule, "per_client_state", False):
             raise ValueError(
                 f"{self.name}: rule {inner!r} keeps state per client across rounds, but after "
@@ -327,8 +330,9 @@ class PreAggregated(BaseRule):
 
     def aggregate(self, round: Round) -> Aggregate:
         x = round.updates
+        shift = round.previous if self._shift else None
         quarantined = len(round.quarantined)
-        mixed, mixing, bucketed = x, None, False
+        mixed, mixing, bucketed = x if shift is None else x - shift, None, False
         for stage in self._pre:
             try:  # f=None after bucketing: half the buckets, not of buckets and quarantined clients together
                 mixed, m = stage(mixed, 0 if bucketed and getattr(stage, "f", 0) is None else quarantined)
@@ -336,6 +340,8 @@ class PreAggregated(BaseRule):
             except ValueError as exc:  # (a RoundRefused too) named for the rule the user built
                 raise type(exc)(f"{self.name}: {exc}") from None
             mixing = m if mixing is None else m @ mixing
+        if shift is not None:
+            mixed = mixed + shift  # the mixed updates as models again
         rows = mixing.sum(1, keepdim=True)
         share = mixing / torch.where(rows > 0, rows, torch.ones_like(rows))
         counts = share @ round.num_samples.to(device=share.device, dtype=torch.float64)

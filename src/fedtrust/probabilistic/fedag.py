@@ -51,6 +51,10 @@ class FedAG(BaseRule):
     def requires(self) -> tuple[str, ...]:  # whatever the base rule reads
         return self._base.requires
 
+    @property
+    def reads_deltas(self) -> bool:  # the base's: a round of models reaches it as updates (the front door)
+        return getattr(self._base, "reads_deltas", False)
+
     def check_clients(self, n: int) -> None:  # the base rule's Byzantine budget
         self._base.check_clients(n)
 
