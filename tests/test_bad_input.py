@@ -79,6 +79,11 @@ from fedtrust.server import server_step
             ValueError,
             r"client_ids 1 and '1' would both be named '1' in the round's records",
         ),
+        (
+            {"updates": torch.zeros(4, 3), "client_ids": [1, "1", 2, "2"]},
+            ValueError,
+            r"client_ids 1 and '1' would both be named '1'",
+        ),
         ({"updates": torch.zeros(2, 3), "client_ids": "ab"}, TypeError, r"client_ids must be a sequence"),
         (
             {"updates": torch.zeros(2, 3), "client_ids": [("site", 1), ("site", 2)]},
@@ -635,3 +640,10 @@ def test_big_endian_updates_are_read_as_their_numbers():
     """A big-endian numpy array (">f4", as some file formats store floats) was refused ("dtype >f4")."""
     x = np.arange(6, dtype=">f4").reshape(2, 3)
     assert torch.equal(Round(updates=x).updates, torch.arange(6.0).reshape(2, 3))
+
+
+def test_counts_given_as_scalar_tensors_may_mix_integers_and_floats():
+    """The same-kind check of a list of rows is for updates' rows: a client's count or metric as a 0-d
+    integer tensor beside a float one is a number like any other."""
+    r = Round(updates=torch.zeros(2, 3), num_samples=[torch.tensor(10), torch.tensor(2.5)])
+    assert r.num_samples.tolist() == [10.0, 2.5]

@@ -679,7 +679,8 @@ def test_of_two_folders_of_one_run_the_report_counts_the_finished_one_by_this_co
     order (a freshness review): an interrupted attempt kept in a subfolder read "1/1 unfinished" over
     the finished re-run, and an archived run of older code hid the fresh one. The counted one is now
     finished before unfinished, this code's before other code's, then the newest. The same config saved
-    under two experiment names was averaged as two seeds ("0.833 +- 0.000" for one seed): it is one run."""
+    under two experiment names in one column was averaged as two seeds ("0.833 +- 0.000" for one seed): it
+    is one run there, and a run in a column of each of two experiments counts in both."""
     import json
     import shutil
 
@@ -704,11 +705,16 @@ def test_of_two_folders_of_one_run_the_report_counts_the_finished_one_by_this_co
     ((_, cell),) = table(runs, Run.final)[2].items()
     assert (cell.count, cell.unfinished, cell.codes) == (1, 0, 1)
 
-    run_experiment(config(name="u", train__rounds=2), tmp_path, progress=False)  # the same run, named u
-    runs = load_runs(tmp_path)
-    assert sum(r.status == "finished" for r in runs) == 1
-    ((_, cell),) = table(runs, Run.final)[2].items()
-    assert cell.count == 1
+    # one config under two names in one column (both sweep train.lr) is one run; the same run in a column
+    # of each of two experiments (one sweeps the rule, the other the corruption) counts in both
+    for name, sweep in [("v", {"train.lr": [0.5]}), ("w", {"train.lr": [0.5]}),
+                        ("a", {"rule.name": ["centered_clipping"]}), ("b", {"corruption.name": ["sign_flip"]})]:  # fmt: skip
+        run_experiment(config(name=name, train__rounds=2, sweep=sweep), tmp_path / "two", progress=False)
+    runs = load_runs(tmp_path / "two")
+    assert sorted(r.status for r in runs) == ["copy", "finished", "finished", "finished"]
+    cells = table(runs, Run.final)[2]
+    assert sorted(cells) == sorted((runs[0].rule, s) for s in ("a", "corruption=sign_flip", "train.lr=0.5"))
+    assert all(cell.count == 1 for cell in cells.values())
 
 
 def test_the_report_says_which_code_computed_its_runs(tmp_path):

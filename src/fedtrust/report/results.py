@@ -294,25 +294,29 @@ def load_runs(directory: str | Path) -> list[Run]:
             )
         runs.append(Run(path.parent, manifest, rounds, problem))
     runs.sort(key=lambda r: (r.manifest.get("experiment", ""), r.manifest.get("index", 0)))  # sweep order
-    _mark_copies(runs)
     options_that_differ(runs)
     tell_apart(runs)
+    _mark_copies(runs)
     return runs
 
 
 def _mark_copies(runs: list[Run]) -> None:
-    """Runs of one config and seed are one computation, whatever folder or experiment name holds them (a
-    folder copied aside, an attempt kept beside its re-run, one config saved under two names): one of them
-    is counted and the others are marked copies of it. The one counted is the best: finished before
-    failed before unfinished, computed by this checkout's code before other code, then the newest, then
-    the first in sweep order. (The first in path order was counted: an interrupted attempt in a subfolder
-    read "1/1 unfinished" over the finished re-run, an archived run of older code hid the fresh one, and
-    one config under two names was averaged as two seeds.)"""
+    """Runs of one config and seed in one table cell (the same rule and setting) are one computation,
+    whatever folder or experiment name holds them (a folder copied aside, an attempt kept beside its
+    re-run, one config saved under two names): one of them is counted and the others are marked copies of
+    it. The one counted is the best: finished before failed before unfinished, computed by this checkout's
+    code before other code, then the newest, then the first in sweep order. (The first in path order was
+    counted: an interrupted attempt in a subfolder read "1/1 unfinished" over the finished re-run, an
+    archived run of older code hid the fresh one, and one config under two names was averaged as two
+    seeds.) A run two experiments share, in a column of each, counts in both."""
     same: dict[str, list[tuple[int, Run]]] = {}
     for position, r in enumerate(runs):
         config = r.manifest.get("config")
         if isinstance(config, dict) and not r.own_run and not r.problem:
-            key = json.dumps({k: v for k, v in config.items() if k != "name"}, sort_keys=True, default=str)
+            computed = json.dumps(
+                {k: v for k, v in config.items() if k != "name"}, sort_keys=True, default=str
+            )
+            key = f"{r.rule}\x00{r.setting}\x00{computed}"
             same.setdefault(key, []).append((position, r))
     here = this_code()
 
