@@ -139,7 +139,7 @@ from fedtrust.sweeps.config import ConfigError, expand, load, validate
         ([1, 2], r"a config must be a mapping of keys, got list"),
         (
             {"data": {"clients": 6}, "corruption": {"name": "sign_flip", "fraction": 0.05}},
-            r"corruption.fraction: 0.05 of 6 clients rounds to no corrupted client; give at least 0.0833",
+            r"corruption.fraction: 0.05 of 6 clients rounds to no corrupted client; give at least 0.0834",
         ),
         (
             {"corruption": {"name": "label_flip", "fraction": 0.2, "lie": {"metric": "train_los"}}},

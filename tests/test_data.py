@@ -512,7 +512,7 @@ def test_clients_without_rows_are_announced_and_both_executors_report_no_loss():
     assert torch.isnan(losses[empty]).all() and torch.isfinite(losses[full]).all()
 
 
-def test_a_share_of_clients_is_rounded_half_up_the_same_everywhere():
+def test_a_share_of_clients_is_rounded_half_up_wherever_clients_are_counted():
     """Python's round took 0.25 of 10 clients to 2 and 0.35 and 0.45 both to 4 (half to even), and so the
     clients sampled per round (0.125, 0.175, 0.225 of 20: 2, 4, 4). One rule now: half up."""
     from fedtrust._checks import share_count

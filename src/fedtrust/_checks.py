@@ -78,8 +78,9 @@ STOPPING_EPS = 64
 def share_count(share: float, total: int) -> int:
     """How many of ``total`` things a ``share`` of them is: ``share * total`` rounded half up (2.5 -> 3;
     Python's ``round`` gave 2, so 0.25 of 10 clients was 2 and 0.35 and 0.45 both 4), after rounding away
-    float noise (0.35 * 10 is 3.4999999999999996, meant as 3.5). The one rule for corrupted clients,
-    sampled clients, corrupted rows and benchmark rows."""
+    float noise (0.35 * 10 is 3.4999999999999996, meant as 3.5). The rule for corrupted clients, sampled
+    clients, benchmark rows and the overlapping partition's pool; a client's corrupted rows keep Python's
+    ``round`` (:func:`~fedtrust.data.corruptions.corrupt` says why)."""
     return math.floor(round(share * total, 9) + 0.5)
 
 

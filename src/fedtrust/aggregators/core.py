@@ -421,9 +421,10 @@ class StatefulRule(Rule, Protocol):
 
 
 def resolve_f(f: int | float, n: int) -> int:
-    """The assumed number of Byzantine clients among ``n``: ``f``, or ``floor(f * n)`` for a float f."""
+    """The assumed number of Byzantine clients among ``n``: ``f``, or ``floor(f * n)`` for a float f, after
+    rounding away float noise (0.29 * 100 is 28.999999999999996, meant as 29)."""
     if isinstance(f, float):
-        return math.floor(f * n)
+        return math.floor(round(f * n, 9))
     return f
 
 

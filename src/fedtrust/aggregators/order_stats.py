@@ -6,8 +6,9 @@ tiles: a comparator network (Batcher's odd-even merge sort on the tile's columns
 window reads) instead of a transposed copy sorted row by row. Several times faster per thread; measured in
 ``benchmarks/README.md``. The windows and shares are those of the numpy path of
 :func:`fedtrust.aggregators.rank_windows.rank_window`, the means to float32 rounding (their sums run in
-another order: up to 2.4e-7 apart on N(0, 1) columns). A run's manifest records which path it took
-(``versions["order_stats_kernel"]``), beside its thread count, as what its last digits depend on.
+another order: up to 2.4e-7 apart on N(0, 1) columns). A run's manifest records whether the kernel was
+built (``versions["order_stats_extension"]``), beside its thread count, as what its last digits depend
+on.
 
 The extension is optional (``setup.py``): when it was not built, :data:`COMPILED` is False and callers
 take the numpy path.

@@ -56,8 +56,10 @@ def versions() -> dict[str, str]:
         "torch": torch.__version__,
         "numpy": np.__version__,
         "python": platform.python_version(),
-        # the median's and trimmed mean's CPU path: the same windows either way, the means to rounding
-        "order_stats_kernel": "compiled" if order_stats.COMPILED else "numpy",
+        # whether the median's and trimmed mean's compiled CPU kernel was built (it serves float32 rounds of
+        # up to order_stats.MAX_CLIENTS clients on the CPU; numpy the rest): the same windows either way,
+        # the means to rounding
+        "order_stats_extension": "built" if order_stats.COMPILED else "absent",
     }
 
 

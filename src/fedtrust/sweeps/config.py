@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import re
 import reprlib
 from pathlib import Path
@@ -238,7 +239,8 @@ def _check_components(cfg: ExperimentConfig, where: str) -> None:
     if c.fraction > 0 and share_count(c.fraction, cfg.data.clients) == 0:
         raise ConfigError(
             f"{where}corruption.fraction: {c.fraction} of {cfg.data.clients} clients rounds to no corrupted "
-            f"client; give at least {0.5 / cfg.data.clients:.3g} (counts round half up), or 0 for none"
+            f"client; give at least {math.ceil(0.5 / cfg.data.clients * 1e4) / 1e4:g} (counts round half "
+            "up), or 0 for none"
         )
     corruption = lookup_corruption(c.name, where)
     if corruption is not None:
