@@ -356,6 +356,14 @@ def test_a_runs_metrics_come_from_one_source(tmp_path):
     assert [r["metrics"] is None for r in found.rounds] == [True, False, True]
     assert all(r["evaluate_metrics"] is not None for r in found.rounds)
     assert found.curve()[0] == [2] and found.manifest["final"]["round"] == 2
+    # resumed without an evaluate_fn, the run keeps its first session's source: no node metrics in its curve
+    again = TrustStrategy(
+        rule="median", run_dir=tmp_path / "run", fraction_evaluate=1.0, min_available_nodes=4
+    )
+    again.start(grid=federation(), initial_arrays=initial(), num_rounds=4)
+    (found,) = load_runs(tmp_path)
+    assert found.manifest["metrics_source"] == "server" and found.rounds[-1]["metrics"] is None
+    assert found.rounds[-1]["metrics_source"] == "server" and found.curve()[0] == [2]
     without = TrustStrategy(rule="median", fraction_evaluate=1.0, min_available_nodes=4)
     without.start(grid=federation(), initial_arrays=initial(), num_rounds=2)
     assert [r["metrics"] for r in without.history] == [r["evaluate_metrics"] for r in without.history]

@@ -29,6 +29,8 @@ from fedtrust.sim.loop import final_metrics
 from fedtrust.sim.store import RunStore, computed_by, describe, interruption, now, this_code, versions
 
 REMEDY = "give the strategy another run_dir, or delete this one to start over"
+#: What a run's ``metrics_source`` means.
+EVALUATION = {"server": "the server's evaluation", "nodes": "the nodes' evaluation"}
 
 
 class RunDirectory:
@@ -37,6 +39,7 @@ class RunDirectory:
     def __init__(self, directory: str | Path, config: dict[str, Any]):
         self.store = RunStore(directory)
         self.config = config
+        self._earlier: dict[str, Any] | None = None  # the versions of rounds another code computed
         self.began = time.perf_counter()
 
     def lock(self):
@@ -77,30 +80,46 @@ class RunDirectory:
             raise CorruptFileError(f"{'; '.join(faults)}; {REMEDY}")
         return [], None
 
-    def start(self, rounds: int, records: list[dict[str, Any]]) -> None:
-        """Mark the run running for ``rounds`` rounds in all, keeping the records of the rounds done."""
+    def start(self, rounds: int, records: list[dict[str, Any]], source: str) -> str:
+        """Mark the run running for ``rounds`` rounds in all, keeping the records of the rounds done, and
+        return the source of its rounds' metrics: ``source`` ("server" or "nodes"), or, resumed, the one
+        its first session recorded (a session with another evaluation says so in the log and keeps it)."""
         manifest = self.store.manifest() if records else None
         if manifest is None:
             manifest = {"experiment": "flower", "run": self.store.dir.name, "started": now()}
+        if not records:
+            manifest["versions"] = versions()  # the code that computes these rounds, for the report
         earlier = manifest.get("versions")
-        if isinstance(earlier, dict) and computed_by(earlier) != this_code():
-            # the rounds done are that code's: kept beside this session's, so the report says the run mixes
-            # codes (it read as this code's alone: the versions were overwritten)
-            manifest["earlier_versions"] = [*manifest.get("earlier_versions", []), earlier]
-            log(WARNING, "run_dir: rounds 1-%d were computed by other code (%s); this session's are this "
+        # the rounds done are that code's: kept beside this session's once it computes one (:meth:`commit`),
+        # so the report says the run mixes codes (it read as this code's alone: the versions were overwritten)
+        self._earlier = earlier if isinstance(earlier, dict) and computed_by(earlier) != this_code() else None
+        if self._earlier is not None:
+            log(WARNING, "run_dir: rounds 1-%d were computed by other code (%s); this session's will be this "
                 "code's (%s): the report lists the run as computed by both", len(records),
                 describe(computed_by(earlier)), describe(this_code()))  # fmt: skip
-        manifest["versions"] = versions()  # the code that computes these rounds, for the report
+        stored = manifest.get("metrics_source") if records else None
+        if stored is not None and stored != source:
+            log(WARNING, "run_dir: this run's metrics are %s (its first session's); this session's %s "
+                "is kept beside them in each round's record", EVALUATION[stored],
+                EVALUATION[source])  # fmt: skip
+        manifest["metrics_source"] = source = stored or source
         self.store.write_rounds(records)
         config = {**self.config, "train": {"mode": "params", "rounds": rounds}}
         manifest.pop("interrupted", None)
         self.store.write_manifest({**manifest, "status": "running", "config": config})
+        return source
 
     def commit(self, record: dict[str, Any], checkpoint: dict[str, Any]) -> None:
         """The round's record, then the checkpoint after it (a crash between them redoes the round),
         holding the record's hash: it is resumed only after this very record."""
         self.store.append_round(record)
         self.store.save_checkpoint(checkpoint, after=record)
+        if self._earlier is not None:  # this session's first round: the run now mixes two codes
+            manifest = self.store.manifest() or {}
+            self.store.update_manifest(
+                earlier_versions=[*manifest.get("earlier_versions", []), self._earlier], versions=versions()
+            )
+            self._earlier = None
 
     def interrupt(self, records: list[dict[str, Any]], rounds: int, error: BaseException) -> None:
         """The run stopped before its last round (the ServerApp raised, was interrupted): it stays

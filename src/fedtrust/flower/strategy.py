@@ -245,11 +245,13 @@ class TrustStrategy(FedAvg):
                     log(INFO, "run_dir %s: resuming after round %d of %d (Flower's log numbers this "
                         "submission's rounds: its round 1 is round %d)", self.run.store.dir, len(done),
                         num_rounds, len(done) + 1)  # fmt: skip
-                self.run.start(num_rounds, done)
+            source = "server" if evaluate_fn is not None else "nodes"  # of each round's metrics
+            if self.run is not None:
+                source = self.run.start(num_rounds, done, source)  # a resumed run keeps its first session's
             self.history, self._offset = list(done), len(done)
             try:
                 result = super().start(grid, initial_arrays, num_rounds - len(done), timeout, train_config,
-                                       evaluate_config, self._end_of_round(evaluate_fn))  # fmt: skip
+                                       evaluate_config, self._end_of_round(evaluate_fn, source))  # fmt: skip
             except BaseException as error:  # noqa: BLE001 - recorded, then raised again
                 if self.run is not None:
                     self.run.interrupt(self.history, num_rounds, error)
@@ -281,7 +283,7 @@ class TrustStrategy(FedAvg):
                 getattr(whole, name)[r + self._offset if r else 0] = metrics
         return whole
 
-    def _end_of_round(self, evaluate_fn):
+    def _end_of_round(self, evaluate_fn, source: str):
         """Flower calls this after each round's evaluation (and once before the first): the server-side
         evaluation, then the round's record and checkpoint."""
 
@@ -291,7 +293,7 @@ class TrustStrategy(FedAvg):
             if evaluate_fn is not None and (server_round > 0 or self._offset == 0):
                 metrics = evaluate_fn(t, arrays)
             if server_round > 0:
-                self._commit(t, metrics, "server" if evaluate_fn is not None else "nodes")
+                self._commit(t, metrics, source)
             elif metrics is not None and self.run is not None:
                 self.run.store.update_manifest(initial_metrics=dict(metrics))
             return metrics
@@ -301,7 +303,8 @@ class TrustStrategy(FedAvg):
     def _commit(self, t: int, server_metrics: MetricRecord | None, source: str) -> None:
         """Round ``t``'s record and checkpoint. Its ``metrics`` (the report's curve and final number) come
         from one ``source`` for the whole run: the server's evaluation where ``start`` has an
-        ``evaluate_fn`` (None in a round it does not score), else the nodes' aggregated evaluation. Taken
+        ``evaluate_fn`` (None in a round it does not score), else the nodes' aggregated evaluation; a
+        resumed run keeps its first session's source (:meth:`RunDirectory.start`). Taken
         round by round, a run scored by the server every other round read 0.900 (nodes), 0.922 (server),
         0.900 (nodes) as one curve. Both stay in the record (``server_metrics``, ``evaluate_metrics``)."""
         record, self._pending = self._pending or _empty_record(t), None

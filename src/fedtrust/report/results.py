@@ -93,7 +93,10 @@ class Run:
         codes = list(dict.fromkeys([*map(computed_by, earlier), computed_by(self.manifest.get("versions"))]))
         if len(codes) == 1:
             return codes[0]
-        return tuple(" and ".join(dict.fromkeys(map(str, values))) for values in zip(*codes, strict=True))
+        return tuple(
+            " and ".join(dict.fromkeys("not recorded" if v is None else str(v) for v in values))
+            for values in zip(*codes, strict=True)
+        )
 
     @property
     def own_run(self) -> bool:
