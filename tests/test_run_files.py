@@ -420,15 +420,15 @@ def test_a_run_of_a_registered_rule_whose_code_changed_is_computed_again(tmp_pat
         (tmp_path / "my_rule.py").write_text(textwrap.dedent(f"""
             import dataclasses
 
-            import my_helper
             from fedtrust.aggregators.mean import Mean
+            from my_helper import SCALE  # a constant: the helper is followed by the import, not the value
 
             class Scaled(Mean):
                 name = "scaled"
 
                 def aggregate(self, round, first):
                     out = super().aggregate(round, first)
-                    return dataclasses.replace(out, vector=out.vector * my_helper.SCALE * {extra})
+                    return dataclasses.replace(out, vector=out.vector * SCALE * {extra})
             """))  # fmt: skip
         for name in ("my_helper", "my_rule"):  # as an import does
             spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")

@@ -222,8 +222,9 @@ def _source_digest(builder: Any) -> str | None:
     """A hash of the file that defines ``builder`` and of the user modules it imports, at any depth (a rule
     that reads a constant from a helper module computes something else once the helper changes: it was
     skipped with its old number). User modules are those whose files lie outside Python's own, the
-    installed packages' and fedtrust's; their contents are hashed, not their paths. Without a file (code
-    typed at a prompt), its source; None where neither can be read."""
+    installed packages' and fedtrust's (:func:`_user_files`); their contents are hashed, not their paths,
+    and a file that imports none is hashed as before they were (its stored runs stay its). Without a file
+    (code typed at a prompt), its source; None where neither can be read."""
     import inspect
 
     try:
@@ -231,47 +232,58 @@ def _source_digest(builder: Any) -> str | None:
         if not path.is_file():
             return hashlib.sha256(inspect.getsource(builder).encode()).hexdigest()[:16]
         files = _user_files(sys.modules.get(getattr(builder, "__module__", "")), path)
+        if len(files) == 1:
+            return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         digests = sorted(hashlib.sha256(f.read_bytes()).hexdigest() for f in files)
-    except (OSError, TypeError):
+    except (OSError, TypeError, SyntaxError, ValueError):
         return None
     return hashlib.sha256("".join(digests).encode()).hexdigest()[:16]
 
 
 def _user_files(module: Any, own: Path) -> set[Path]:
-    """``own`` (the defining file) and the files of the user modules ``module`` reaches through its
-    globals (modules, and the modules of the classes and functions it holds), at any depth."""
-    import inspect
+    """``own`` (the defining file) and the files of the user modules that ``module``'s source imports
+    (``import a.b``, ``from a import b``, ``from . import c``, at any depth and in functions too), as
+    loaded in ``sys.modules``. A user module's file lies outside Python's own, the installed packages'
+    (site-packages, dist-packages, the user's site) and fedtrust's."""
+    import ast
+    import importlib.util
+    import site
     import sysconfig
 
-    others = {
-        Path(p).resolve() for key, p in sysconfig.get_paths().items() if key.endswith(("lib", "stdlib"))
-    }
+    others = {Path(p).resolve() for k, p in sysconfig.get_paths().items() if k.endswith(("lib", "stdlib"))}
+    others |= {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}
     others.add(Path(fedtrust.__file__).resolve().parent)
+
+    def user_file(m: Any) -> Path | None:
+        where = getattr(m, "__file__", None)
+        if not isinstance(where, str) or not where.endswith(".py"):
+            return None
+        path = Path(where).resolve()
+        installed = {"site-packages", "dist-packages"} & set(path.parts)
+        return None if installed or any(path.is_relative_to(o) for o in others) else path
+
     files, seen, stack = {own.resolve()}, set(), [module]
     while stack:
         m = stack.pop()
-        if not inspect.ismodule(m) or id(m) in seen:
+        name = getattr(m, "__name__", None)
+        path = user_file(m)
+        if path is None or name in seen:
             continue
-        seen.add(id(m))
-        where = getattr(m, "__file__", None)
-        if not where or not where.endswith(".py"):
-            continue
-        path = Path(where).resolve()
-        if any(path.is_relative_to(other) for other in others):
-            continue
+        seen.add(name)
         files.add(path)
-        stack += [value if inspect.ismodule(value) else _module_of(value) for value in list(vars(m).values())]
+        package = m.__package__ if m.__spec__ is None or m.__spec__.parent is None else m.__spec__.parent
+        for node in ast.walk(ast.parse(path.read_bytes())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = importlib.util.resolve_name("." * node.level + (node.module or ""), package or "")
+                names = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            for full in names:  # a.b.c imports a and a.b too
+                parts = full.split(".")
+                stack += [sys.modules.get(".".join(parts[:k])) for k in range(1, len(parts) + 1)]
     return files
-
-
-def _module_of(value: Any) -> Any:
-    """The loaded module a class or function comes from, or None (an object whose ``__module__`` is not a
-    module's name, or that raises on the look)."""
-    try:
-        name = getattr(value, "__module__", None)
-    except Exception:  # noqa: BLE001 - a lazy object may raise anything on an attribute look
-        return None
-    return sys.modules.get(name) if isinstance(name, str) else None
 
 
 def config_hash(cfg: ExperimentConfig) -> str:
