@@ -115,7 +115,7 @@ class FedAGPredictive(TestSetMetrics):
             raise ValueError(f"FedAG's evaluation state is a dict with key 'posterior', got {state!r:.80}")
         p = state["posterior"]
         if p is None:
-            self.posterior, self._data = None, []
+            self.posterior, self._chosen, self._data = None, [], []
             return
         keys = {"mean", "var", "members", "weights", "chosen"}
         if not isinstance(p, dict) or set(p) != keys:
