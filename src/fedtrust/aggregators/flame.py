@@ -11,7 +11,7 @@ from fedtrust.aggregators.core import Aggregate, Round, RoundRefused
 from fedtrust.aggregators.distances import gram, moments_about
 from fedtrust.aggregators.mean import normalised
 from fedtrust.aggregators.norm_bounding import clip_factors, median_norm
-from fedtrust.aggregators.passes import CombinationPasses, weighted_sum
+from fedtrust.aggregators.passes import weighted_sum
 from fedtrust.aggregators.state import SeededCalls
 
 
@@ -97,10 +97,11 @@ class FLAME(SeededCalls, BaseRule):
             dist, e = cosine_distances(gram(x)), round.norms
         else:  # the models' inner products from their moments about G_{t-1}, in float64: W_i . W_j =
             # r_i . r_j + r_i . G + r_j . G + ||G||^2 (a float32 Gram of the models themselves, all near G,
-            # left their cosine distances 5% off and changed the admitted set in 10 of 20 trials)
+            # left their cosine distances 5% off and changed the admitted set in 10 of 20 trials); the same
+            # pass gives e_i = ||W_i - G_{t-1}||, r_i . r_i
             m = moments_about(x, prev)
             dist = cosine_distances(m.gram + m.cross[:, None] + m.cross[None, :] + m.centre_sq)
-            e = CombinationPasses(x, round.norms)(None, offset=prev)[1].sqrt()
+            e = m.gram.diagonal().clamp_min(0).sqrt()
         admitted = majority_cluster(dist)
         if not bool(admitted.any()):
             raise RoundRefused(f"{self.name}: HDBSCAN found no cluster among the {round.n} updates")

@@ -304,9 +304,9 @@ class TrustStrategy(FedAvg):
         """Round ``t``'s record and checkpoint. Its ``metrics`` (the report's curve and final number) come
         from one ``source`` for the whole run: the server's evaluation where ``start`` has an
         ``evaluate_fn`` (None in a round it does not score), else the nodes' aggregated evaluation; a
-        resumed run keeps its first session's source (:meth:`RunDirectory.start`). Taken
-        round by round, a run scored by the server every other round read 0.900 (nodes), 0.922 (server),
-        0.900 (nodes) as one curve. Both stay in the record (``server_metrics``, ``evaluate_metrics``)."""
+        resumed run keeps its first session's source (:meth:`RunDirectory.start`). Taken round by round, a
+        run scored by the server every other round read 0.900 (nodes), 0.922 (server), 0.900 (nodes) as
+        one curve. Both stay in the record (``server_metrics``, ``evaluate_metrics``)."""
         record, self._pending = self._pending or _empty_record(t), None
         if server_metrics is not None:
             record["server_metrics"] = dict(server_metrics)

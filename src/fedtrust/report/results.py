@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fedtrust.checkpoint import CorruptFileError
-from fedtrust.sim.store import RunStore, this_code
+from fedtrust.sim.store import RunStore, computed_by, this_code
 
 
 @dataclass
@@ -87,8 +87,6 @@ class Run:
         (:func:`~fedtrust.sim.store.computed_by`; None where one is not recorded). A Flower run resumed by
         other code keeps the earlier sessions' (``earlier_versions``): each entry then names every value,
         "a and b", which is no single checkout's."""
-        from fedtrust.sim.store import computed_by
-
         earlier = [v for v in self.manifest.get("earlier_versions") or [] if isinstance(v, dict)]
         codes = list(dict.fromkeys([*map(computed_by, earlier), computed_by(self.manifest.get("versions"))]))
         if len(codes) == 1:

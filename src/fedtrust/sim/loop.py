@@ -404,12 +404,13 @@ class Simulation:
         fits = isinstance(vector, torch.Tensor) and vector.shape == self.vector.shape
         if not (fits and vector.is_floating_point() and bool(torch.isfinite(vector).all())):
             return f"{path}: its global vector is not {self.model.size} finite numbers"
-        before = self.rule.state_dict()
+        evaluation = "evaluation" in state and hasattr(self.evaluation, "load_state_dict")
+        before = self.rule.state_dict() if evaluation else None  # to put back if the evaluation refuses
         try:
             self.rule.load_state_dict(state["rule_state"])
         except (ValueError, TypeError) as exc:
             return f"{path}: the rule refuses its state ({exc})"
-        if "evaluation" in state and hasattr(self.evaluation, "load_state_dict"):
+        if evaluation:
             try:
                 self.evaluation.load_state_dict(state["evaluation"])
             except (ValueError, TypeError) as exc:

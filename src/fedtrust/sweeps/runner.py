@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -91,11 +92,10 @@ def check_with_data(runs: list[tuple[str, ExperimentConfig]], datasets: _Dataset
     stratify or synthetic_linear's noise levels), once per distinct (data, model, corruption) of the sweep,
     before any run starts: the config check knows their names, not whether -5 hidden units or a 100-part
     trigger fit, or whether a benchmark share leaves the server a row. A ConfigError names the first run
-    and the field. A data file that is there but cannot be
-    read as the data (a CSV cut to its header) is refused the same way, since every run on it would fail
-    alike; data that is not there (:class:`~fedtrust.data.datasets.DatasetNotFound`, any other OS error)
-    is left to the runs, which fail saying why, so that a sweep over several data sets runs those that
-    are present."""
+    and the field. A data file that is there but cannot be read as the data (a CSV cut to its header) is
+    refused the same way, since every run on it would fail alike; data that is not there
+    (:class:`~fedtrust.data.datasets.DatasetNotFound`, any other OS error) is left to the runs, which fail
+    saying why, so that a sweep over several data sets runs those that are present."""
     seen = set()
     for label, c in runs:
         parts = (c.data, c.model, c.corruption)
@@ -240,6 +240,18 @@ def _source_digest(builder: Any) -> str | None:
     return hashlib.sha256("".join(digests).encode()).hexdigest()[:16]
 
 
+@functools.cache
+def _installed_roots() -> frozenset[Path]:
+    """The folders whose modules are not the user's: Python's own, the installed packages' (the site's
+    and the user's site), fedtrust's."""
+    import site
+    import sysconfig
+
+    roots = {Path(p).resolve() for k, p in sysconfig.get_paths().items() if k.endswith(("lib", "stdlib"))}
+    roots |= {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    return frozenset({*roots, Path(fedtrust.__file__).resolve().parent})
+
+
 def _user_files(module: Any, own: Path) -> set[Path]:
     """``own`` (the defining file) and the files of the user modules that ``module``'s source imports
     (``import a.b``, ``from a import b``, ``from . import c``, at any depth and in functions too), as
@@ -247,12 +259,8 @@ def _user_files(module: Any, own: Path) -> set[Path]:
     (site-packages, dist-packages, the user's site) and fedtrust's."""
     import ast
     import importlib.util
-    import site
-    import sysconfig
 
-    others = {Path(p).resolve() for k, p in sysconfig.get_paths().items() if k.endswith(("lib", "stdlib"))}
-    others |= {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}
-    others.add(Path(fedtrust.__file__).resolve().parent)
+    others = _installed_roots()
 
     def user_file(m: Any) -> Path | None:
         where = getattr(m, "__file__", None)
