@@ -9,6 +9,9 @@ build has). Under :func:`elsewhere` every torch operation is checked as a GPU wo
 - factory functions given ``device=x.device`` make elsewhere tensors; ``.to(x.device)`` moves there;
 - ``.cpu()`` / ``.to("cpu")`` and ``.item()`` / ``.tolist()`` are host transfers and are counted
   (:attr:`Host.syncs`), so a test can say how often a rule reads a scalar;
+- every other operation on the device that computes (not a view, an allocation or a transfer) is a
+  kernel a GPU would launch, and is counted (:attr:`Host.launches`): at a small round a GPU's time is
+  its launches and syncs, not its reads of memory;
 - ``.numpy()`` fails, as on CUDA.
 
 Results are computed on the CPU with the same kernels, so a rule's output on this device can be
@@ -18,7 +21,8 @@ compared with its CPU output exactly.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -35,6 +39,9 @@ _INDEXING = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.defau
              _aten._index_put_impl_.default}  # fmt: skip
 #: operations that move data to the host
 _SYNCS = {_aten._local_scalar_dense.default}
+#: operations on the device that launch no kernel: allocations (views are told by their schema)
+_NO_KERNEL = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
+              _aten.lift_fresh.default, _aten.detach.default}  # fmt: skip
 
 
 class Elsewhere(torch.Tensor):
@@ -113,6 +120,9 @@ class Host:
 
     syncs: int = 0  # scalars read (.item(), .tolist(), bool(t), float(t), ...)
     transfers: int = 0  # tensors copied to the CPU
+    launches: int = 0  # kernels the device ran (operations that compute there: not views or allocations)
+    kernels: Counter = field(default_factory=Counter)  # the launches by operation name
+    host_ops: int = 0  # operations that compute on CPU tensors (a rule's arithmetic on n numbers)
 
 
 class _Mode(TorchDispatchMode):
@@ -129,6 +139,7 @@ class _Mode(TorchDispatchMode):
         if not here and not wants_here:
             if any(a.device.type == DEVICE.type for a in flat):
                 raise RuntimeError(f"{func}: a real meta tensor (no data) reached the elsewhere device")
+            self.host.host_ops += not func.is_view and func not in _NO_KERNEL
             return func(*args, **kwargs)
         lost = [a for a in flat if not isinstance(a, Elsewhere) and a.device.type == DEVICE.type]
         if lost:  # made on the device below the dispatcher: its values are gone (see Elsewhere.__getitem__)
@@ -161,6 +172,9 @@ class _Mode(TorchDispatchMode):
         if to_host:
             self.host.transfers += 1
             return out
+        if not func.is_view and func not in _NO_KERNEL:
+            self.host.launches += 1
+            self.host.kernels[func.__name__.split(".")[0]] += 1
         first = args[0] if args else None
         if isinstance(first, Elsewhere) and func._schema.name.endswith("_") and out is first.elem:
             # in place (squeeze_ and the like change the shape): the same wrapper, its metadata refreshed

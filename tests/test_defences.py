@@ -321,6 +321,22 @@ def test_foolsgold_compares_histories_accumulated_across_rounds_and_keeps_them_i
     close(fg.state_dict()["history"]["c"], one[2] + two[2])
 
 
+def test_foolsgold_history_is_the_sum_of_each_clients_updates_over_the_rounds_it_reported_in():
+    """Clients join, skip rounds and come back in another order: each client's history (kept as a row of
+    one matrix) is its own updates summed, in the order of its rounds, whatever the others did."""
+    g = torch.Generator().manual_seed(5)
+    fg, sums = rule("foolsgold"), {}
+    for present in (["a", "b"], ["c", "a"], ["d", "b", "c"], ["b"], ["e", "d", "a", "c", "b"], ["a", "e"]):
+        x = torch.randn(len(present), 4, generator=g, dtype=F64)
+        fg(Round(updates=x, client_ids=present))
+        for cid, update in zip(present, x, strict=True):
+            sums[cid] = sums[cid] + update if cid in sums else update
+        history = fg.state_dict()["history"]
+        assert sorted(history) == sorted(sums)
+        for cid, total in sums.items():
+            torch.testing.assert_close(history[cid], total, rtol=0, atol=0)
+
+
 def test_foolsgold_returns_the_mean_when_every_client_has_a_copy():
     x = torch.tensor([[1.0, 2.0], [1.0, 2.0], [-3.0, 1.0], [-3.0, 1.0]], dtype=F64)
     out = rule("foolsgold")(Round(updates=x))

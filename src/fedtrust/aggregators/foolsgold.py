@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
@@ -20,30 +20,28 @@ from fedtrust.aggregators.state import Dict, Fields, Tensor, check_state
 STATE = Fields(optional={"history": Dict(Tensor(("d",), dtype=None))})
 
 
-def rows_gram(rows: Sequence[torch.Tensor], scale: torch.Tensor | None = None) -> torch.Tensor:
-    """(n, n) float64 Gram matrix of n vectors of length d kept apart (the clients' histories), each divided
-    by its ``scale`` if given: float GEMMs by column blocks of the stacked rows (no n x d copy),
-    accumulated in float64."""
-    n, like = len(rows), rows[0]
-    g = torch.zeros(n, n, dtype=torch.float64, device=like.device)
-    for cols in column_blocks(torch.empty(n, like.numel(), dtype=like.dtype, device="meta"), "stream"):
-        block = torch.stack([r[cols] for r in rows])
+def rows_gram(rows: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """(n, n) float64 Gram matrix of the rows of an (n, d) matrix (the clients' histories), each divided by
+    its ``scale`` if given: float GEMMs by column blocks, accumulated in float64."""
+    g = torch.zeros(rows.shape[0], rows.shape[0], dtype=torch.float64, device=rows.device)
+    for cols in column_blocks(rows, "stream"):
+        block = rows[:, cols]
         g += row_gram(block if scale is None else block / scale[:, None]).to(torch.float64)
     return g
 
 
-def cosine_similarities(rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """(n, n) float64 cosine similarities of n vectors kept apart (:func:`rows_gram`), or None when one of
-    them has a non-finite entry. A zero vector has similarity 0 with every other.
+def cosine_similarities(rows: torch.Tensor) -> torch.Tensor | None:
+    """(n, n) float64 cosine similarities of the rows of an (n, d) matrix (:func:`rows_gram`), or None when
+    one of them has a non-finite entry. A zero row has similarity 0 with every other.
 
-    Where some product overflows the vectors' dtype (a history of huge updates) or some squared norm comes
-    near its underflow (one of tiny updates, or a zero vector), the Gram matrix is taken again with each
-    vector divided by its largest entry, which leaves the cosines as they are."""
+    Where some product overflows the rows' dtype (a history of huge updates) or some squared norm comes
+    near its underflow (one of tiny updates, or a zero row), the Gram matrix is taken again with each row
+    divided by its largest entry, which leaves the cosines as they are."""
     g = rows_gram(rows)
     sq = g.diagonal()
-    finfo = torch.finfo(rows[0].dtype)
+    finfo = torch.finfo(rows.dtype)
     if not bool(torch.isfinite(g).all()) or bool((sq < finfo.tiny / finfo.eps).any()):
-        scale = torch.stack([torch.linalg.vector_norm(r, ord=math.inf) for r in rows])
+        scale = torch.linalg.vector_norm(rows, ord=math.inf, dim=1)
         if not bool(torch.isfinite(scale).all()):
             return None
         g = rows_gram(rows, torch.where(scale > 0, scale, 1.0))
@@ -118,35 +116,61 @@ class FoolsGold(BaseRule):
 
     def __init__(self, kappa: float = 1.0):
         self.kappa = check_float(f"{self.name}: kappa", kappa, minimum=0.0, strict_min=True)
-        self._history: dict[Hashable, torch.Tensor] = {}
+        # every client's history as a row of one matrix (a round gathers and writes its clients' rows in
+        # a few kernels, not one or two a client), and each client's row
+        self._histories: torch.Tensor | None = None
+        self._row: dict[Hashable, int] = {}
 
-    def _histories(self, round: Round) -> list[torch.Tensor]:
-        """The round's clients' histories with this round's updates added (not yet kept)."""
+    def _round_histories(self, round: Round) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+        """The round's clients' histories with this round's updates added (n, d), not yet kept; the
+        positions of the clients with a history, and the stored histories on the round's device and dtype
+        (None when nobody has one)."""
         x = round.updates
-        histories = []
-        for cid, update in zip(round.client_ids, x, strict=True):
-            old = self._history.get(cid)
-            if old is None:
-                new = update.clone()
-            elif old.numel() != round.d:
-                raise ValueError(
-                    f"{self.name}: the stored history of client {cid!r} has d={old.numel()} "
-                    f"but this round has d={round.d}"
-                )
-            else:
-                new = old.to(device=x.device, dtype=x.dtype) + update
-            histories.append(new)
-        return histories
+        known = [k for k, cid in enumerate(round.client_ids) if cid in self._row]
+        if not known:
+            return x.clone(), known, None
+        stored = self._histories
+        if stored.shape[1] != round.d:
+            raise ValueError(
+                f"{self.name}: the stored history of client {round.client_ids[known[0]]!r} has "
+                f"d={stored.shape[1]} but this round has d={round.d}"
+            )
+        stored = stored.to(device=x.device, dtype=x.dtype)
+        rows = torch.tensor([self._row[round.client_ids[k]] for k in known], device=x.device)
+        if len(known) == round.n:
+            return stored.index_select(0, rows) + x, known, stored
+        histories = x.clone()
+        at = torch.tensor(known, device=x.device)
+        histories.index_copy_(0, at, stored.index_select(0, rows) + x.index_select(0, at))
+        return histories, known, stored
+
+    def _keep(self, round: Round, histories: torch.Tensor, known: list[int], stored: torch.Tensor | None):
+        """Write the round's histories into the matrix: the known clients' rows replaced, the new ones'
+        appended."""
+        ids = round.client_ids
+        seen = set(known)
+        new = [k for k in range(round.n) if k not in seen]
+        if stored is None:
+            stored = histories  # (a copy of the round's updates: every client is new)
+        else:
+            if known:
+                rows = torch.tensor([self._row[ids[k]] for k in known], device=stored.device)
+                stored.index_copy_(0, rows, histories[known] if len(known) < round.n else histories)
+            if new:
+                stored = torch.cat([stored, histories[new]])
+        first = len(self._row)
+        self._row.update((ids[k], first + j) for j, k in enumerate(new))
+        self._histories = stored
 
     def aggregate(self, round: Round) -> Aggregate:
         x = round.updates
-        histories = self._histories(round)
+        histories, known, stored = self._round_histories(round)
         cs = cosine_similarities(histories)
         if cs is None:
-            cid = next(c for c, h in zip(round.client_ids, histories, strict=True) if not h.isfinite().all())
+            bad = int(torch.nonzero(~torch.isfinite(histories).all(1))[0])
             raise ValueError(
-                f"{self.name}: the history of client {cid!r} plus this round's update does not fit in "
-                f"{x.dtype}; the state is unchanged"
+                f"{self.name}: the history of client {round.client_ids[bad]!r} plus this round's update does "
+                f"not fit in {x.dtype}; the state is unchanged"
             )
         alpha, v = foolsgold_weights(cs, self.kappa, copies=stopping_tol(x.dtype))
         info: dict[str, Any] = {"clients": {"alpha": alpha, "similarity": v}}
@@ -158,14 +182,16 @@ class FoolsGold(BaseRule):
                 f"every alpha is 0 (each of the {round.n} clients' histories points exactly like another's): "
                 "no client to prefer, the plain mean instead"
             )
-        self._history.update(zip(round.client_ids, histories, strict=True))
+        self._keep(round, histories, known, stored)
         return Aggregate(weighted_sum(x, weights), weights.to(x.dtype), info)
 
     def state_dict(self) -> dict[str, Any]:
-        if not self._history:
+        if not self._row:
             return {}
-        return {"history": {cid: h.detach().cpu().clone() for cid, h in self._history.items()}}
+        host = self._histories.detach().cpu()  # one transfer, then a copy of each client's row
+        return {"history": {cid: host[row].clone() for cid, row in self._row.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        state = check_state(self.name, STATE, state)
-        self._history = state.get("history", {})
+        history = check_state(self.name, STATE, state).get("history", {})
+        self._row = {cid: row for row, cid in enumerate(history)}
+        self._histories = torch.stack(list(history.values())) if history else None

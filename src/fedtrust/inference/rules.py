@@ -507,9 +507,11 @@ class IcovMLE(_WindowRule):
                 round, _for_members(res, groups), {"fallback": fallback, **self._share_info(round, groups)}
             )
         self._history.append({"ids": list(ids), "gram": groups.expand(groups.expand(res.past.gram[0]).T).T})
-        v, noise = groups.expand(res.params["V"]), groups.expand(res.params["sigma2"]).tolist()  # one read
-        for k, i in enumerate(ids):
-            self._clients[i] = {"v": v[k].clone(), "noise": noise[k]}
+        # one copy of the factors, each client's row a view of it (a copy each was a kernel each on a GPU),
+        # and one read of the noise
+        v, noise = groups.expand(res.params["V"]).clone(), groups.expand(res.params["sigma2"]).tolist()
+        for i, v_i, noise_i in zip(ids, v.unbind(), noise, strict=True):
+            self._clients[i] = {"v": v_i, "noise": noise_i}
         self._shared["sigma_u2"] = res.params["sigma_u2"]
         return self._finish(
             round,
@@ -615,10 +617,11 @@ class IcovVB(_WindowRule):
                 "k": int(stats.k),
             }
         )
-        v, psi, noise = (groups.expand(res.params[key]) for key in ("V", "Psi", "sigma2"))
-        noise = noise.tolist()  # one read, not one per client
-        for k, i in enumerate(ids):
-            self._clients[i] = {"v": v[k].clone(), "psi": psi[k].clone(), "noise": noise[k]}
+        # one copy of each, every client's rows views of it (IcovMLE), and one read of the noise
+        v, psi = (groups.expand(res.params[key]).clone() for key in ("V", "Psi"))
+        noise = groups.expand(res.params["sigma2"]).tolist()
+        for i, v_i, psi_i, noise_i in zip(ids, v.unbind(), psi.unbind(), noise, strict=True):
+            self._clients[i] = {"v": v_i, "psi": psi_i, "noise": noise_i}
         self._shared = {key: res.params[key] for key in ("sigma_y2", "sigma_u2", "sigma_v2")}
         return self._finish(
             round, _for_members(res, groups), {**self._shared, **self._share_info(round, groups)}
