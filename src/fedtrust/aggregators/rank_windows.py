@@ -62,7 +62,10 @@ def map_column_blocks(
             return None
         return fn(block), block_sq
 
-    for cols, item in zip(blocks, _pool().map(run, blocks), strict=True):
+    # one block runs on this thread: handing it to the pool and waiting for it cost a round of 10 x 650
+    # 0.3 ms, ten times the work
+    done = map(run, blocks) if len(blocks) == 1 else _pool().map(run, blocks)
+    for cols, item in zip(blocks, done, strict=True):
         if item is None:
             break  # stopped: a block has a non-finite row
         (values, counts), block_sq = item
