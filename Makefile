@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.installed
 # (tests/conftest.py).
 PYTEST  = $(BIN)/python -m pytest -n logical --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
-.PHONY: demo test test-cpus docs bench gpu-bench lint clean fashion-mnist ivar-icov collusion arfl fedag robustness
+.PHONY: demo test test-cpus docs bench gpu-bench lint clean fashion-mnist ivar-icov collusion arfl fedag robustness peers
 
 $(STAMP): pyproject.toml constraints.txt setup.py src/fedtrust/aggregators/order_stats.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -82,6 +82,12 @@ fedag: $(STAMP)
 # Every rule against every attack on digits, 3 seeds (issue 19; ~20 min on 2 cores; cached per source).
 robustness: $(STAMP)
 	$(BIN)/python experiments/robustness/run.py --data digits --seeds 3 --out $(call reports,robustness)
+
+# fedtrust's rules against ByzFL's and Flower's own implementations on the robustness federation (digits,
+# 3 seeds, ~1 h on 2 cores; cached per source). ByzFL is installed for this and the benchmarks only.
+peers: $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps byzfl==0.0.11
+	$(BIN)/python experiments/peers/run.py --data digits --seeds 3 --out $(call reports,peers)
 
 # Fashion-MNIST for the experiments that name it: found where the loader looks (FEDTRUST_FASHION_MNIST,
 # Debian's package, ~/.fedtrust/fashion-mnist), else Debian's dataset-fashion-mnist is installed (with

@@ -340,15 +340,21 @@ def short(x: float) -> str:
     return text.replace("0.", ".", 1) if abs(x) < 1 else text
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def federation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that say which federation, attacks and seeds the table's cells are (this script's and
+    ``experiments/peers/run.py``'s), and how many processes compute them."""
     parser.add_argument("--data", default="digits", choices=["digits", "fashion_mnist"])
     parser.add_argument("--model", default="softmax", choices=["softmax", "mlp"])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--rules", nargs="*", default=RULES)
     parser.add_argument("--attacks", nargs="*", default=list(ATTACKS), choices=list(ATTACKS))
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    federation_arguments(parser)
+    parser.add_argument("--rules", nargs="*", default=RULES)
     parser.add_argument("--force", action="store_true", help="recompute cached runs")
     parser.add_argument(
         "--out",
