@@ -13,7 +13,8 @@ beside it, and the score is the accuracy less it.
 
 Every run is cached in ``reports/runs.jsonl`` under the hash of its config, fedtrust's source, the
 wrappers' source and the peers' versions, with the torch and numpy versions that computed it: a re-run
-reuses only what this very code computed. ``--cached-only`` renders the cache.
+reuses only what this very code computed. ``--cached-only`` renders the cache (``--source``: the runs
+of another fedtrust source, under these wrappers and peers' versions).
 """
 
 from __future__ import annotations
@@ -93,14 +94,15 @@ def config(data: str, model: str, rule: str, attack: str, fraction: float, seed:
     return cfg
 
 
-def code() -> str:
-    """What a cached row must have been computed by: fedtrust's source, the wrappers' (this folder's
-    ``rules.py`` and the ``benchmarks/peers.py`` it imports) and the peers' versions."""
+def code(fedtrust_source: str | None = None) -> str:
+    """What a cached row must have been computed by: fedtrust's source (``fedtrust_source``, by default this
+    checkout's), the wrappers' (this folder's ``rules.py`` and the ``benchmarks/peers.py`` it imports) and
+    the peers' versions."""
     from fedtrust.sweeps.runner import source_hash
 
     files = [HERE / "rules.py", HERE.parents[1] / "benchmarks" / "peers.py"]
     wrappers = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
-    return f"{source_hash()} {wrappers} byzfl {version('byzfl')} flwr {version('flwr')}"
+    return f"{fedtrust_source or source_hash()} {wrappers} byzfl {version('byzfl')} flwr {version('flwr')}"
 
 
 def _worker() -> None:
@@ -224,6 +226,9 @@ def main(argv: list[str] | None = None) -> None:
         "--out", default=str(HERE / "reports"), help="run cache and reports (default: %(default)s)"
     )
     parser.add_argument("--cached-only", action="store_true", help="compute nothing: render the cache")
+    parser.add_argument(
+        "--source", help="with --cached-only: the runs of this fedtrust source hash (not this checkout's)"
+    )
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else sys.argv[1:]
     if args.jobs < 1:
@@ -234,7 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     register_peers()
     from fedtrust.sweeps.config import validate
 
-    source = code()
+    if args.source and not args.cached_only:
+        parser.error("--source names the code that computed cached runs: use it with --cached-only")
+    source = code(args.source)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_path = out_dir / "runs.jsonl"
