@@ -49,15 +49,17 @@ class FedAvg(Mean):
         return sample_weights(round, self.name)
 
 
-def sample_weights(round: Round, rule: str) -> torch.Tensor:
-    """n_k / sum_i n_i (:func:`normalised`), with a clear error when every reported count is zero."""
-    total = round.num_samples.sum()
+def sample_weights(round: Round, rule: str, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """n_k / sum_i n_i (:func:`normalised`) of the round's reported counts (``counts``: the same, already
+    moved to the host), with a clear error when every reported count is zero."""
+    counts = round.num_samples if counts is None else counts
+    total = counts.sum()
     read = float(total)  # one read of the total (a sync on a GPU), reused below
     if not read > 0:
         raise RoundRefused(
             f"{rule}: the reported num_samples sum to {read}; sample weights need a positive total"
         )
-    return normalised(round.num_samples, total, read)
+    return normalised(counts, total, read)
 
 
 def normalised(w: torch.Tensor, total: torch.Tensor | None = None, read: float | None = None) -> torch.Tensor:
