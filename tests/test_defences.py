@@ -322,19 +322,45 @@ def test_foolsgold_compares_histories_accumulated_across_rounds_and_keeps_them_i
 
 
 def test_foolsgold_history_is_the_sum_of_each_clients_updates_over_the_rounds_it_reported_in():
-    """Clients join, skip rounds and come back in another order: each client's history (kept as a row of
-    one matrix) is its own updates summed, in the order of its rounds, whatever the others did."""
+    """Clients join, skip rounds, come back in another order, arrive in a round of new clients only, after
+    a checkpoint, and in a float32 round between float64 ones: each client's history (kept as a row of one
+    matrix) is its own updates summed in the order of its rounds, whatever the others did; a float32 round
+    rounds nobody's history but its own clients' updates, and 60 clients met a few at a time are all
+    kept."""
     g = torch.Generator().manual_seed(5)
     fg, sums = rule("foolsgold"), {}
-    for present in (["a", "b"], ["c", "a"], ["d", "b", "c"], ["b"], ["e", "d", "a", "c", "b"], ["a", "e"]):
-        x = torch.randn(len(present), 4, generator=g, dtype=F64)
+    rounds = [["a", "b"], ["c", "a"], ["x", "y", "z"], ["d", "b", "c"], ["b"], "checkpoint", ["u", "v"],
+              ["e", "d", "a", "c", "b"], ("float32", ["a", "e"]), ["a", "b", "x", "d"]]  # fmt: skip
+    rounds += [[f"s{i}", f"s{i + 1}", "a"] for i in range(0, 60, 2)]
+    for present in rounds:
+        if present == "checkpoint":
+            fg, state = rule("foolsgold"), fg.state_dict()
+            fg.load_state_dict(state)
+            continue
+        dtype, present = present if isinstance(present, tuple) else ("float64", present)
+        x = torch.randn(len(present), 4, generator=g, dtype=F64).to(getattr(torch, dtype))
         fg(Round(updates=x, client_ids=present))
         for cid, update in zip(present, x, strict=True):
-            sums[cid] = sums[cid] + update if cid in sums else update
+            sums[cid] = (sums[cid].to(x.dtype) + update).double() if cid in sums else update.double()
         history = fg.state_dict()["history"]
         assert sorted(history) == sorted(sums)
         for cid, total in sums.items():
             torch.testing.assert_close(history[cid], total, rtol=0, atol=0)
+
+
+def test_foolsgolds_similarities_over_several_column_blocks_are_the_float64_cosines_to_float32_rounding(
+    monkeypatch,
+):
+    """The histories' Gram matrix is taken by column blocks (16 MiB on the CPU, shrunk here to 64 columns
+    of 10 rows): the cosines are those of one float64 pass to float32's rounding."""
+    from fedtrust.aggregators import chunks
+    from fedtrust.aggregators.foolsgold import cosine_similarities
+
+    monkeypatch.setitem(chunks.BUDGETS, "stream", 64 * 10 * 4)
+    x = torch.randn(10, 1000, generator=torch.Generator().manual_seed(2))
+    x[3] = x[7] * 2 + 0.01 * x[3]
+    unit = x.double() / x.double().norm(dim=1, keepdim=True)
+    torch.testing.assert_close(cosine_similarities(x), unit @ unit.T, rtol=0, atol=1e-6)
 
 
 def test_foolsgold_returns_the_mean_when_every_client_has_a_copy():

@@ -156,20 +156,22 @@ def test_the_scalars_a_rule_reads_from_the_device_do_not_grow_with_its_clients(n
 @pytest.mark.parametrize("name", [name for name in ALL if "+" not in name])
 def test_the_kernels_a_rule_launches_on_the_device_do_not_grow_with_its_clients(name):
     """At a small round a GPU's time is its kernel launches (each one the host's dispatch: 10-30 us on an
-    H200's host), not its reads: a rule launches a fixed number of kernels over its n clients, never a
-    kernel or two per client (a state kept as one tensor a client: FoolsGold's histories, ICOV's factors,
-    each copied in a launch of its own). FOCUS scores each client's model on the server's benchmark (eq
+    H200's host), not its reads: a rule launches a fixed number of kernels over its n clients, in a first
+    round and in a second that reads its state, never a kernel or two per client (a state kept as one
+    tensor a client: FoolsGold's histories, ICOV's factors, each copied in a launch of its own). FOCUS scores each client's model on the server's benchmark (eq
     4), a loss each: the benchmark's own kernels per client."""
     options = {"max_iter": 3, "tol": 0.0} if name == "geometric_median" else {}  # (iterations fixed)
     launches = []
     for n in (14, 33):
-        r = random_round(0, n=n, d=40, dtype=torch.float32, previous=True)
-        with elsewhere() as host:
-            build(name, options)(there(r))
+        first, second = (random_round(seed, n=n, d=40, dtype=torch.float32, previous=True) for seed in (0, 1))
+        rule_ = build(name, options)
+        with elsewhere() as host:  # two rounds of the same clients: the second reads what the first kept
+            rule_(there(first))
+            rule_(there(second))
         launches.append(host.launches)
     with elsewhere() as benchmark:  # one loss on the server's benchmark
-        r.reference(to_elsewhere(r.updates[0]))
-    per_client = benchmark.launches if name == "focus" else 0
+        first.reference(to_elsewhere(first.updates[0]))
+    per_client = 2 * benchmark.launches if name == "focus" else 0
     assert launches[1] - launches[0] == per_client * (33 - 14), (launches, host.kernels)
 
 

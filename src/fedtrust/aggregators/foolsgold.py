@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,13 +17,14 @@ from fedtrust.aggregators.distances import row_gram
 from fedtrust.aggregators.passes import weighted_sum
 from fedtrust.aggregators.state import Dict, Fields, Tensor, check_state
 
-#: Each client's history: a finite vector of the rounds' length (one d for all), in the rounds' dtype.
+#: Each client's history: a finite vector of the rounds' length (one d for all), in a floating dtype.
 STATE = Fields(optional={"history": Dict(Tensor(("d",), dtype=None))})
 
 
 def rows_gram(rows: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """(n, n) float64 Gram matrix of the rows of an (n, d) matrix (the clients' histories), each divided by
-    its ``scale`` if given: float GEMMs by column blocks, accumulated in float64."""
+    its ``scale`` if given: float GEMMs by column blocks of the ``"stream"`` budget, accumulated in
+    float64."""
     g = torch.zeros(rows.shape[0], rows.shape[0], dtype=torch.float64, device=rows.device)
     for cols in column_blocks(rows, "stream"):
         block = rows[:, cols]
@@ -101,8 +103,9 @@ class FoolsGold(BaseRule):
 
     kappa: the logit's confidence, > 0 (1 by default: the authors' code has none, which is kappa = 1).
 
-    State: every client's history, keyed by client id (``state_dict()["history"]``); a client's history
-    grows only in rounds it reports in (and is not quarantined). The similarities are between the
+    State: every client's history, keyed by client id (``state_dict()["history"]``, each in the widest
+    dtype the rule has held: :class:`HistoryRows`); a client's history grows only in rounds it reports in
+    (and is not quarantined). The similarities are between the
     round's clients. A zero history is similar to nobody. When every alpha is 0 (every client's history
     points exactly like another's, as when all updates are the same) the rule has no client to prefer: it
     returns the plain mean and says so in ``info["degenerate"]``. ``info["clients"]`` has each client's
@@ -116,55 +119,11 @@ class FoolsGold(BaseRule):
 
     def __init__(self, kappa: float = 1.0):
         self.kappa = check_float(f"{self.name}: kappa", kappa, minimum=0.0, strict_min=True)
-        # every client's history as a row of one matrix (a round gathers and writes its clients' rows in
-        # a few kernels, not one or two a client), and each client's row
-        self._histories: torch.Tensor | None = None
-        self._row: dict[Hashable, int] = {}
-
-    def _round_histories(self, round: Round) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
-        """The round's clients' histories with this round's updates added (n, d), not yet kept; the
-        positions of the clients with a history, and the stored histories on the round's device and dtype
-        (None when nobody has one)."""
-        x = round.updates
-        known = [k for k, cid in enumerate(round.client_ids) if cid in self._row]
-        if not known:
-            return x.clone(), known, None
-        stored = self._histories
-        if stored.shape[1] != round.d:
-            raise ValueError(
-                f"{self.name}: the stored history of client {round.client_ids[known[0]]!r} has "
-                f"d={stored.shape[1]} but this round has d={round.d}"
-            )
-        stored = stored.to(device=x.device, dtype=x.dtype)
-        rows = torch.tensor([self._row[round.client_ids[k]] for k in known], device=x.device)
-        if len(known) == round.n:
-            return stored.index_select(0, rows) + x, known, stored
-        histories = x.clone()
-        at = torch.tensor(known, device=x.device)
-        histories.index_copy_(0, at, stored.index_select(0, rows) + x.index_select(0, at))
-        return histories, known, stored
-
-    def _keep(self, round: Round, histories: torch.Tensor, known: list[int], stored: torch.Tensor | None):
-        """Write the round's histories into the matrix: the known clients' rows replaced, the new ones'
-        appended."""
-        ids = round.client_ids
-        seen = set(known)
-        new = [k for k in range(round.n) if k not in seen]
-        if stored is None:
-            stored = histories  # (a copy of the round's updates: every client is new)
-        else:
-            if known:
-                rows = torch.tensor([self._row[ids[k]] for k in known], device=stored.device)
-                stored.index_copy_(0, rows, histories[known] if len(known) < round.n else histories)
-            if new:
-                stored = torch.cat([stored, histories[new]])
-        first = len(self._row)
-        self._row.update((ids[k], first + j) for j, k in enumerate(new))
-        self._histories = stored
+        self._history = HistoryRows()
 
     def aggregate(self, round: Round) -> Aggregate:
         x = round.updates
-        histories, known, stored = self._round_histories(round)
+        histories, known = self._history.added(round.client_ids, x, self.name)
         cs = cosine_similarities(histories)
         if cs is None:
             bad = int(torch.nonzero(~torch.isfinite(histories).all(1))[0])
@@ -182,16 +141,96 @@ class FoolsGold(BaseRule):
                 f"every alpha is 0 (each of the {round.n} clients' histories points exactly like another's): "
                 "no client to prefer, the plain mean instead"
             )
-        self._keep(round, histories, known, stored)
+        self._history.write(round.client_ids, histories, known)
         return Aggregate(weighted_sum(x, weights), weights.to(x.dtype), info)
 
     def state_dict(self) -> dict[str, Any]:
-        if not self._row:
-            return {}
-        host = self._histories.detach().cpu()  # one transfer, then a copy of each client's row
-        return {"history": {cid: host[row].clone() for cid, row in self._row.items()}}
+        rows = self._history.as_dict()
+        return {"history": rows} if rows else {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        history = check_state(self.name, STATE, state).get("history", {})
-        self._row = {cid: row for row, cid in enumerate(history)}
-        self._histories = torch.stack(list(history.values())) if history else None
+        self._history = HistoryRows(check_state(self.name, STATE, state).get("history", {}))
+
+
+class HistoryRows:
+    """Every client's history as a row of one matrix, so that a round gathers and writes its clients'
+    rows in a few kernels (a copy or an add a client before: on a GPU, a launch each).
+
+    The matrix keeps the widest dtype of the histories it has held (a float32 round reads float64
+    histories rounded to float32, as each client's own history was, and leaves those it does not touch
+    as they are; a float32 value is exact in float64), lives on the device of the last round, and has
+    room to grow: new clients' rows go into spare capacity, which grows by half when full, so a run
+    that meets its clients a few at a time copies the matrix a logarithmic number of times, not at every
+    round with a new client."""
+
+    GROWTH = 1.5
+
+    def __init__(self, rows: Mapping[Hashable, torch.Tensor] | None = None):
+        self.row: dict[Hashable, int] = {}
+        self.matrix: torch.Tensor | None = None
+        self.used = 0
+        if rows:
+            dtype = functools.reduce(torch.promote_types, (t.dtype for t in rows.values()))
+            self.matrix = torch.stack([t.to("cpu", dtype) for t in rows.values()])
+            self.row = {cid: k for k, cid in enumerate(rows)}
+            self.used = len(rows)
+
+    def added(self, ids: Sequence[Hashable], x: torch.Tensor, rule: str) -> tuple[torch.Tensor, list[int]]:
+        """The clients' histories plus their updates ``x`` (n, d), in x's dtype on its device, not yet kept;
+        and the positions of the clients that had a history."""
+        known = [k for k, cid in enumerate(ids) if cid in self.row]
+        if self.matrix is not None and self.matrix.shape[1] != x.shape[1]:
+            whose = f"client {ids[known[0]]!r}" if known else f"{self.used} clients"
+            raise ValueError(f"{rule}: the stored history of {whose} has d={self.matrix.shape[1]} but this "
+                             f"round has d={x.shape[1]}")  # fmt: skip
+        if not known:
+            return x.clone(), known
+        self.matrix = self.matrix.to(x.device)
+        if self._in_order(ids):  # every kept client, in the order kept (a simulation's round): no gather
+            return self.matrix[: self.used].to(x.dtype) + x, known
+        rows = torch.tensor([self.row[ids[k]] for k in known], device=x.device)
+        stored = self.matrix.index_select(0, rows).to(x.dtype)
+        if len(known) == len(ids):
+            return stored + x, known
+        at = torch.tensor(known, device=x.device)
+        histories = x.clone()
+        histories.index_copy_(0, at, stored + x.index_select(0, at))
+        return histories, known
+
+    def write(self, ids: Sequence[Hashable], histories: torch.Tensor, known: list[int]) -> None:
+        """Keep the round's ``histories`` (from :meth:`added`): the known clients' rows replaced, the new
+        ones' written after the rows in use."""
+        seen = set(known)
+        new = [k for k in range(len(ids)) if k not in seen]
+        old = self.matrix
+        if old is None or (self._in_order(ids) and histories.dtype == old.dtype):
+            # the round's histories are a tensor of their own, every client's in order: kept as they are
+            self.matrix, self.used = histories, len(ids)
+            self.row = {cid: k for k, cid in enumerate(ids)}
+            return
+        dtype = torch.promote_types(old.dtype, histories.dtype)
+        need = self.used + len(new)
+        grow = need > len(old)
+        if grow or old.dtype != dtype or old.device != histories.device:
+            capacity = max(need, int(len(old) * self.GROWTH)) if grow else len(old)
+            self.matrix = torch.empty(capacity, histories.shape[1], dtype=dtype, device=histories.device)
+            self.matrix[: self.used] = old[: self.used]
+        if known:
+            rows = torch.tensor([self.row[ids[k]] for k in known], device=histories.device)
+            mine = histories if len(known) == len(ids) else histories[known]
+            self.matrix.index_copy_(0, rows, mine.to(dtype))
+        if new:
+            self.matrix[self.used : need] = (histories if len(new) == len(ids) else histories[new]).to(dtype)
+            self.row.update((ids[k], self.used + j) for j, k in enumerate(new))
+        self.used = need
+
+    def _in_order(self, ids: Sequence[Hashable]) -> bool:
+        """Whether ``ids`` are every kept client, in the order of their rows."""
+        return len(ids) == self.used and all(self.row.get(cid) == k for k, cid in enumerate(ids))
+
+    def as_dict(self) -> dict[Hashable, torch.Tensor]:
+        """Client id -> its history, on the CPU (one transfer, then a copy of each row)."""
+        if not self.used:
+            return {}
+        host = self.matrix[: self.used].detach().cpu()
+        return {cid: host[row].clone() for cid, row in self.row.items()}
