@@ -93,7 +93,10 @@ class ByzFL(BaseRule):
                 for step in pre:
                     x = BYZFL[step](module, f)(x)
                 agg = self._final if final in _KEEPS_CENTRE and self._final else BYZFL[final](module, f)
-                vector = torch.as_tensor(agg(x), dtype=round.updates.dtype)
+                out = agg(x)
+                if out is None:  # (ByzFL 0.0.11's CAF returns nothing when f = 0)
+                    raise ValueError("it returned no vector")
+                vector = torch.as_tensor(out, dtype=round.updates.dtype)
             except (ValueError, AssertionError) as exc:  # its own refusal of n against f
                 raise RoundRefused(f"byzfl({self.chain}) refused n={round.n}, f={f}: {exc}") from exc
         if final in _KEEPS_CENTRE:
@@ -119,7 +122,8 @@ class ByzFL(BaseRule):
 FLOWER = {
     "fedavg": lambda fl, n, f: fl.FedAvg(fraction_train=1.0),
     "fedmedian": lambda fl, n, f: fl.FedMedian(fraction_train=1.0),
-    "fedtrimmedavg": lambda fl, n, f: fl.FedTrimmedAvg(beta=f / n, fraction_train=1.0),
+    # Flower cuts int(beta n) a side, and (f / n) n may round below f (f = 1, n = 49 cut none)
+    "fedtrimmedavg": lambda fl, n, f: fl.FedTrimmedAvg(beta=(f + 0.5) / n, fraction_train=1.0),
     "krum": lambda fl, n, f: fl.Krum(num_malicious_nodes=f, fraction_train=1.0),
     "multikrum": lambda fl, n, f: fl.MultiKrum(
         num_malicious_nodes=f, num_nodes_to_select=n - f, fraction_train=1.0

@@ -83,7 +83,7 @@ LEFT_OUT = (
     "(`byzfl(chain=caf)`) took 110-290 s a run under IPM at 40% and 6-74 s under min-max at 40% (0.6-1.5 s "
     "elsewhere; those runs ended at 0.10-0.36 accuracy), and the optimal ALIE attack calls the rule 25 "
     "times a round, so its 40% cells would take hours each. Flower's Bulyan "
-    "(`flower(strategy=bulyan)`, which `rules.py` has) takes 3.6 s a round of 50 x 650 on a 2-core AMD EPYC "
+    "(`--peers 'flower(strategy=bulyan)'` runs it) takes 3.6 s a round of 50 x 650 on a 2-core AMD EPYC "
     "(fedtrust's 2.7 ms): 87 runs of 30 rounds, and the optimal ALIE attack's 25 calls a round, would take "
     "about 7 hours."
 )
@@ -92,20 +92,26 @@ LEFT_OUT = (
 def config(data: str, model: str, rule: str, attack: str, fraction: float, seed: int, rounds: int) -> dict:
     """The robustness table's config of the cell; a peer's rule block gets ``f``, the column's share."""
     cfg = robustness.config(data, model, rule, attack, fraction, seed, rounds)
-    if rule in PEERS:
+    if rule.startswith(("byzfl(", "flower(")):
         cfg["rule"]["f"] = min(fraction, 0.22) if "bulyan" in rule else fraction
     return cfg
 
 
-def code(fedtrust_source: str | None = None) -> str:
-    """What a cached row must have been computed by: fedtrust's source (``fedtrust_source``, by default this
-    checkout's), the wrappers' (this folder's ``rules.py`` and the ``benchmarks/peers.py`` it imports) and
-    the peers' versions."""
+def code() -> str:
+    """What a cached row must have been computed by: fedtrust's source, the wrappers' (this folder's
+    ``rules.py`` and the ``benchmarks/peers.py`` it imports) and the peers' versions."""
     from fedtrust.sweeps.runner import source_hash
 
     files = [HERE / "rules.py", HERE.parents[1] / "benchmarks" / "peers.py"]
     wrappers = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
-    return f"{fedtrust_source or source_hash()} {wrappers} byzfl {version('byzfl')} flwr {version('flwr')}"
+    return f"{source_hash()} {wrappers} byzfl {version('byzfl')} flwr {version('flwr')}"
+
+
+def cached_code(cache: dict[str, dict], fedtrust_source: str | None) -> str | None:
+    """For rendering the cache: the code of its most recent rows (of ``fedtrust_source``, when given),
+    read from the rows themselves (so no peer need be installed to render them)."""
+    rows = [r for r in cache.values() if not fedtrust_source or r["source"].split()[0] == fedtrust_source]
+    return rows[-1]["source"] if rows else None
 
 
 def _worker() -> None:
@@ -151,7 +157,12 @@ def report(args, results: dict, seconds: float, source: str) -> str:
         f"# fedtrust against the peers' implementations: {args.data}, {robustness.CLIENTS} clients, "
         f"Dirichlet(0.5), {args.model}, {args.rounds} rounds",
         "",
-        f"Every cell computed by this checkout (fedtrust source {source.split()[0]}, peers' wrappers "
+        (
+            "Rendered from the cache, every cell computed by one code"
+            if args.cached_only
+            else "Every cell computed by this checkout"
+        )
+        + f" (fedtrust source {source.split()[0]}, peers' wrappers "
         f"{source.split()[1]}, {' '.join(source.split()[2:])}; {robustness.computed_under(runs)}; "
         f"{sum(r.get('seconds') or 0 for r in runs):.0f} s of run time, {seconds:.0f} s of wall time computed "
         "by this command, the rest read from `runs.jsonl`), mean over "
@@ -174,6 +185,11 @@ def report(args, results: dict, seconds: float, source: str) -> str:
     lines += [
         "",
         "## The best of each side, column by column",
+        "",
+        f"The best of {len(args.peers)} peer rules against the best of {len(args.fedtrust)} fedtrust rules, "
+        "picked per column at the seeds' mean: the pick favours the side with more rules a little (a rule "
+        "that is best in one column by its seeds' noise). A failed seed leaves its cell's mean; the full "
+        "table marks it.",
         "",
         "| column | best peer | score | best fedtrust rule | score | fedtrust - peer |",
         "|---|---|---:|---|---:|---:|",
@@ -236,19 +252,21 @@ def main(argv: list[str] | None = None) -> None:
     args.argv = argv if argv is not None else sys.argv[1:]
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    unknown = [p for p in args.peers if p not in PEERS]
+    unknown = [p for p in args.peers if not p.startswith(("byzfl(", "flower("))]
     if unknown:
-        parser.error(f"unknown peer {unknown[0]!r}; peers: {', '.join(PEERS)}")
+        parser.error(f"{unknown[0]!r} is not a peer: name one as byzfl(chain=...) or flower(strategy=...)")
     register_peers()
     from fedtrust.sweeps.config import validate
 
     if args.source and not args.cached_only:
         parser.error("--source names the code that computed cached runs: use it with --cached-only")
-    source = code(args.source)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache_path = out_dir / "runs.jsonl"
     cache = robustness.load_cache(cache_path)
+    source = cached_code(cache, args.source) if args.cached_only else code()
+    if source is None:
+        parser.error(f"no cached runs of fedtrust source {args.source or '(any)'} in {cache_path}")
     here = robustness.libraries()
     todo, results = [], {}
     for rule in args.peers + args.fedtrust:
