@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -104,7 +104,14 @@ def code() -> str:
 
     files = [HERE / "rules.py", HERE.parents[1] / "benchmarks" / "peers.py"]
     wrappers = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
-    return f"{source_hash()} {wrappers} byzfl {version('byzfl')} flwr {version('flwr')}"
+    return f"{source_hash()} {wrappers} byzfl {_version('byzfl')} flwr {_version('flwr')}"
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:  # (runs of the other peer need none of it)
+        return "not-installed"
 
 
 def cached_code(cache: dict[str, dict], fedtrust_source: str | None) -> str | None:
