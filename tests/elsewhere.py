@@ -44,6 +44,11 @@ _NO_KERNEL = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empt
               _aten.lift_fresh.default, _aten.detach.default}  # fmt: skip
 
 
+def _computes(func) -> bool:
+    """Whether an operation computes (a kernel on a device), not a view or an allocation."""
+    return not func.is_view and func not in _NO_KERNEL
+
+
 class Elsewhere(torch.Tensor):
     """A CPU tensor presented as living on :data:`DEVICE`."""
 
@@ -120,9 +125,13 @@ class Host:
 
     syncs: int = 0  # scalars read (.item(), .tolist(), bool(t), float(t), ...)
     transfers: int = 0  # tensors copied to the CPU
-    launches: int = 0  # kernels the device ran (operations that compute there: not views or allocations)
-    kernels: Counter = field(default_factory=Counter)  # the launches by operation name
+    kernels: Counter = field(default_factory=Counter)  # kernels the device ran, by operation name
     host_ops: int = 0  # operations that compute on CPU tensors (a rule's arithmetic on n numbers)
+
+    @property
+    def launches(self) -> int:
+        """Kernels the device ran (operations that compute there: not views or allocations)."""
+        return sum(self.kernels.values())
 
 
 class _Mode(TorchDispatchMode):
@@ -139,7 +148,7 @@ class _Mode(TorchDispatchMode):
         if not here and not wants_here:
             if any(a.device.type == DEVICE.type for a in flat):
                 raise RuntimeError(f"{func}: a real meta tensor (no data) reached the elsewhere device")
-            self.host.host_ops += not func.is_view and func not in _NO_KERNEL
+            self.host.host_ops += _computes(func)
             return func(*args, **kwargs)
         lost = [a for a in flat if not isinstance(a, Elsewhere) and a.device.type == DEVICE.type]
         if lost:  # made on the device below the dispatcher: its values are gone (see Elsewhere.__getitem__)
@@ -172,8 +181,7 @@ class _Mode(TorchDispatchMode):
         if to_host:
             self.host.transfers += 1
             return out
-        if not func.is_view and func not in _NO_KERNEL:
-            self.host.launches += 1
+        if _computes(func):
             self.host.kernels[func.__name__.split(".")[0]] += 1
         first = args[0] if args else None
         if isinstance(first, Elsewhere) and func._schema.name.endswith("_") and out is first.elem:

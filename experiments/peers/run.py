@@ -89,10 +89,15 @@ LEFT_OUT = (
 )
 
 
+def is_peer(rule: str) -> bool:
+    """Whether ``rule`` names a peer's implementation (``byzfl(...)`` or ``flower(...)``, ``rules.py``)."""
+    return rule.startswith(("byzfl(", "flower("))
+
+
 def config(data: str, model: str, rule: str, attack: str, fraction: float, seed: int, rounds: int) -> dict:
     """The robustness table's config of the cell; a peer's rule block gets ``f``, the column's share."""
     cfg = robustness.config(data, model, rule, attack, fraction, seed, rounds)
-    if rule.startswith(("byzfl(", "flower(")):
+    if is_peer(rule):
         cfg["rule"]["f"] = min(fraction, 0.22) if "bulyan" in rule else fraction
     return cfg
 
@@ -259,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     args.argv = argv if argv is not None else sys.argv[1:]
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    unknown = [p for p in args.peers if not p.startswith(("byzfl(", "flower("))]
+    unknown = [p for p in args.peers if not is_peer(p)]
     if unknown:
         parser.error(f"{unknown[0]!r} is not a peer: name one as byzfl(chain=...) or flower(strategy=...)")
     register_peers()
