@@ -79,7 +79,9 @@ def bench(
 ) -> list[dict]:
     cpu_round, f = attacked_round(n, d)
     x = cpu_round.updates.to(device, dtype)
-    r = Round(updates=x, metrics={k: v.to(device, dtype) for k, v in cpu_round.metrics.items()},
+    # the clients' reported numbers on the host, as a server receives them (the Flower strategy's and the
+    # simulator's rounds: Round keeps them there for the screen and the rules' host arithmetic)
+    r = Round(updates=x, metrics={k: v.to(dtype) for k, v in cpu_round.metrics.items()},
               reference=cpu_round.reference)  # fmt: skip
     del cpu_round
     timed_ = partial(timed, repeat=repeat, device=device)

@@ -43,11 +43,11 @@ from fedtrust.rules import RULES  # noqa: E402
 def count(name: str, options: dict, r: Round) -> dict:
     """One call of a fresh ``name`` on ``r`` placed on the emulated device: what it asked of the device."""
     with elsewhere() as host:
-        there = Round(
+        there = Round(  # the reported numbers on the host, as a server receives them (gpu.py's round)
             updates=to_elsewhere(r.updates),
             client_ids=r.client_ids,
-            num_samples=to_elsewhere(r.num_samples),
-            metrics=to_elsewhere(dict(r.metrics)),
+            num_samples=r.num_samples,
+            metrics=dict(r.metrics),
             reference=r.reference,
         )
         made = Counter(host.kernels), host.host_ops  # placing the round (none, as it is)
@@ -70,8 +70,17 @@ def main() -> None:
     parser.add_argument("--d", type=float, default=1e3)
     parser.add_argument("--rules", nargs="+", default=[name for name in RULES if "+" not in name])
     parser.add_argument("--kernels", action="store_true", help="print each rule's launches by operation")
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "launches")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where to write .md and .json (default: benchmarks/results/launches for a "
+        "run of the default rules and sizes; a partial run writes only where told)",
+    )
     args = parser.parse_args()
+    if args.out is None and (args.n, args.d, args.rules) == tuple(
+        parser.get_default(k) for k in ("n", "d", "rules")
+    ):
+        args.out = HERE / "results" / "launches"
     rows = []
     for n in args.n:
         r, f = attacked_round(n, int(args.d))
@@ -82,6 +91,9 @@ def main() -> None:
                   f"{row['transfers']:3d} host ops {row['host_ops']:6d}", flush=True)  # fmt: skip
             if args.kernels:
                 print("      ", ", ".join(f"{k} {v}" for k, v in row["kernels"].items()))
+    if args.out is None:
+        print("(a partial run: not written; --out PATH writes it)")
+        return
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
     head = commit.stdout.strip() or "unknown"
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,13 +25,16 @@ VARIANTS = {
 CASES = [(name, {}) for name in ALL] + [(name, o) for name, opts in VARIANTS.items() for o in opts]
 
 
-def there(r: Round) -> Round:
-    """The same round on the emulated device (call under ``elsewhere()``)."""
+def there(r: Round, reports_on_host: bool = False) -> Round:
+    """The same round on the emulated device (call under ``elsewhere()``); with ``reports_on_host`` the
+    clients' counts and metrics are given on the host, as a server receives them (the simulator's and the
+    Flower strategy's rounds)."""
+    reported = (lambda t: t) if reports_on_host else to_elsewhere
     return Round(
         updates=to_elsewhere(r.updates),
         client_ids=r.client_ids,
-        num_samples=to_elsewhere(r.num_samples),
-        metrics=to_elsewhere(dict(r.metrics)),
+        num_samples=reported(r.num_samples),
+        metrics=reported(dict(r.metrics)),
         reference=r.reference,
         previous=None if r.previous is None else to_elsewhere(r.previous),
     )
@@ -127,14 +130,33 @@ def test_the_emulated_device_catches_a_mix_as_cuda_would():
 def test_per_client_arithmetic_runs_on_the_host_one_transfer_a_pass(name, transfers):
     """Weiszfeld steps, clip factors and Krum scores are arithmetic on n (or n^2) numbers: on a device
     each pass over the updates moves its results to the host in one transfer and the rule reads nothing
-    more (a GPU's small round is its launches and syncs); the round's screening reads two scalars of
-    its counts. The results come back on the device."""
+    more (a GPU's small round is its launches and syncs); the round's screening reads the counts where
+    the server received them, on the host. The results come back on the device."""
     r = random_round(0, dtype=torch.float32)
     with elsewhere() as host:
-        out = rule(name)(there(r))
+        out = rule(name)(there(r, reports_on_host=True))
     assert isinstance(out.weights, Elsewhere)
     assert all(isinstance(v, Elsewhere) for v in out.info["clients"].values())
-    assert (host.syncs, host.transfers) == (2, transfers(out))
+    assert (host.syncs, host.transfers) == (0, transfers(out))
+
+
+@pytest.mark.parametrize("name", ["mean", "fedavg", "arfl"])
+@pytest.mark.parametrize("reports_on_host", [True, False], ids=["reports on the host", "on the device"])
+def test_the_clients_reported_numbers_are_read_on_the_host(name, reports_on_host):
+    """The front door screens the clients' reported counts and metrics, and the mean's, FedAvg's and
+    ARFL's weights are arithmetic on them: read where the server received them (the host), a clean round
+    on a device costs these rules one scalar, the check that the result is finite (the mean's, which
+    proves every update finite; ARFL's trust weights are a sort of n reported losses). Given on the
+    device, the reports cost one transfer each, read once (a sync each before: 3 for the mean, 8 for
+    ARFL). The weights come back on the device, equal to the CPU's."""
+    r = random_round(0, dtype=torch.float32)
+    expected = rule(name)(r)
+    with elsewhere() as host:
+        out = rule(name)(there(r, reports_on_host))
+    reports = 0 if reports_on_host else 1 + (name == "arfl")  # the counts, and ARFL's losses
+    assert (host.syncs, host.transfers) == (1, reports)
+    assert isinstance(out.weights, Elsewhere) and isinstance(out.vector, Elsewhere)
+    assert torch.equal(on_host(out.weights), expected.weights)
 
 
 @pytest.mark.parametrize("name", [name for name in ALL if "+" not in name])

@@ -12,7 +12,7 @@ from fedtrust._checks import check_bool, check_choice, check_float
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, NoValidUpdates, Round, RoundRefused
 from fedtrust.aggregators.loss_defences import DEFENCES, defend
-from fedtrust.aggregators.passes import weighted_sum
+from fedtrust.aggregators.passes import moved, weighted_sum
 from fedtrust.aggregators.screening import negative_loss
 from fedtrust.aggregators.state import Dict, Fields, Float, check_state
 
@@ -146,9 +146,11 @@ class ARFL(BaseRule):
         return dict(zip(ids, alpha.tolist(), strict=True)), p, lam, alpha, losses, samples
 
     def aggregate(self, round: Round) -> Aggregate:
-        reported = defend(self.defence, round, round.metrics["train_loss"])
+        # the rule's arithmetic on n numbers runs on the host, with the counts and reports the round keeps
+        # there (on a GPU: no sync per read); the weights and per-client info move to the device at the end
+        reported = defend(self.defence, round, round.metric_on_host("train_loss"))
         ids = round.client_ids
-        counts = round.num_samples.tolist()
+        counts = round.samples_on_host().tolist()
         # an update whose loss on the benchmark split is not finite cannot be weighed: weight 0 this
         # round, and the rule forgets the client (it enters afresh with its next finite report)
         unmeasured = {
@@ -174,8 +176,7 @@ class ARFL(BaseRule):
             for cid in new if self.fresh else unseen:
                 self._loss[cid], self._samples[cid] = new[cid]
         table, p, lam, alpha_all, losses, samples = self._alpha()
-        alpha = torch.tensor([table[cid] if cid in new else 0.0 for cid in ids], dtype=torch.float64,
-                             device=round.updates.device)  # fmt: skip
+        alpha = torch.tensor([table[cid] if cid in new else 0.0 for cid in ids], dtype=torch.float64)
         objective = arfl_objective(alpha_all, losses, samples, lam)
         for cid in new:  # the paper's order: this round's losses count from the next round on
             self._loss[cid], self._samples[cid] = new[cid]
@@ -184,6 +185,7 @@ class ARFL(BaseRule):
                 f"{self.name}: every client of this round has weight 0 (losses above the threshold)"
             )
         weights = (alpha / alpha.sum()).to(round.updates.dtype)
+        weights, alpha, reported = moved(round.updates.device, weights, alpha, reported)
         info = {"p": p, "objective": objective, "lambda": lam, "clients": {"alpha": alpha, "loss": reported}}
         if unmeasured:
             info["left_out"] = unmeasured

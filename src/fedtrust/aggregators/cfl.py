@@ -108,7 +108,7 @@ class CFL(BaseRule):
             g = gram(sub.updates, sub.previous)
             norms = g.diagonal().clamp_min(0).sqrt()
             cos = g / (norms[:, None] * norms[None, :]).clamp_min(torch.finfo(torch.float64).tiny)
-            sw = sample_weights(sub, self.name).to(torch.float64)
+            sw = sample_weights(sub, self.name).to(g.device, torch.float64)
             mean_norm = float((sw @ g @ sw).clamp_min(0).sqrt())
             side, cross = optimal_bipartition(cos)
             info.update(
@@ -127,7 +127,7 @@ class CFL(BaseRule):
                 self._excluded.update({cid: self._round for cid in newly})
                 info.update(split=True, excluded_now=newly)
         kept = sub.select(torch.nonzero(keep).flatten()) if not bool(keep.all()) else sub
-        w_kept = sample_weights(kept, self.name)
+        w_kept = sample_weights(kept, self.name).to(round.updates.device)
         weights = torch.zeros(round.n, dtype=round.updates.dtype, device=round.updates.device)
         rows = torch.as_tensor(active, device=weights.device)[keep]
         weights[rows] = w_kept

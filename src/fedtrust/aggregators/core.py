@@ -67,10 +67,10 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.layout == torch.strided else t.to_dense()
 
 
-def _per_client(field_name: str, value: Any, device: torch.device) -> torch.Tensor:
+def _per_client(field_name: str, value: Any) -> torch.Tensor:
     """``value`` as a flat tensor of one value per client: a row or column of them, or any shape with one
     axis longer than 1; a table (two or more such axes) is refused rather than read row by row."""
-    t = _as_tensor(field_name, value, device)
+    t = _as_tensor(field_name, value)
     if sum(s != 1 for s in t.shape) > 1:
         raise ValueError(f"{field_name} must be one value per client, got shape {tuple(t.shape)}")
     return t.reshape(-1)
@@ -176,6 +176,8 @@ class Round:
                   non-finite or negative count (or one beyond the dtype: 1e300 in float32) quarantines
                   that client. ``reported_samples`` (set, not given) holds them as given.
     metrics:      name -> (n,) client-reported scalars ("train_loss" for ARFL and FOCUS).
+                  Counts and metrics live on the updates' device; given on the host (a list, as a server
+                  receives them), the round keeps them there too (:meth:`samples_on_host`).
     reference:    optional :class:`~fedtrust.aggregators.info.Reference`: the server's trusted benchmark
                   split, ``reference(update) -> mean loss`` of the model one update gives (FOCUS's eq 4,
                   the "benchmark" loss defence).
@@ -199,6 +201,7 @@ class Round:
     previous: torch.Tensor | None = None
     quarantined: Mapping[Hashable, str] = field(default_factory=dict)
     reported_samples: torch.Tensor = field(init=False, repr=False)
+    _host: dict[str | None, torch.Tensor] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         x = _as_tensor("Round.updates", self.updates)
@@ -222,18 +225,22 @@ class Round:
             raise ValueError(f"Round.updates has zero coordinates (got shape {(n, d)})")
         set_ = object.__setattr__
         set_(self, "updates", x)
+        set_(self, "_host", {})  # per-client scalars given on the host, kept there too (on_host)
 
         ids = tuple(range(n)) if self.client_ids is None else self._ids(self.client_ids, n)
         set_(self, "client_ids", ids)
 
         if self.num_samples is None:
             reported = torch.ones(n, dtype=x.dtype, device=x.device)
+            self._keep_on_host(None, torch.ones(n))
         else:
-            reported = _per_client("Round.num_samples", self.num_samples, x.device)
+            reported = _per_client("Round.num_samples", self.num_samples)
             if reported.numel() != n:
                 raise ValueError(
                     f"Round.num_samples must have one entry per client ({n}), got {reported.numel()}"
                 )
+            self._keep_on_host(None, reported)
+            reported = reported.to(x.device)
         set_(self, "num_samples", reported.to(x.dtype))
         set_(self, "reported_samples", reported)  # as given: the front door names a count that overflowed
 
@@ -243,12 +250,13 @@ class Round:
             )
         metrics = {}
         for name, value in self.metrics.items():
-            m = _per_client(f"Round.metrics[{name!r}]", value, x.device).to(x.dtype)
+            m = _per_client(f"Round.metrics[{name!r}]", value)
             if m.numel() != n:
                 raise ValueError(
                     f"Round.metrics[{name!r}] must have one value per client ({n}), got {m.numel()}"
                 )
-            metrics[str(name)] = m
+            self._keep_on_host(str(name), m)
+            metrics[str(name)] = m.to(x.device, x.dtype)
         set_(self, "metrics", metrics)
 
         if self.previous is not None:
@@ -323,6 +331,29 @@ class Round:
                              "round's records; give distinct names")  # fmt: skip
         return ids
 
+    def _keep_on_host(self, metric: str | None, given: torch.Tensor) -> None:
+        """Keep per-client scalars given on the host (a list, numpy, a CPU tensor) there as well, in the
+        round's dtype (``metric`` None: the counts), for :meth:`samples_on_host` and
+        :meth:`metric_on_host`."""
+        if given.device.type == "cpu":
+            self._host[metric] = given.to(self.updates.dtype)
+
+    def samples_on_host(self) -> torch.Tensor:
+        """``num_samples`` on the CPU, in the round's dtype. The front door's screen and the rules'
+        arithmetic on n numbers read the per-client scalars here: on a GPU each read of a device scalar
+        is a sync, and the simulator and the Flower strategy give them on the host, where the round keeps
+        them (no transfer); given on a device, one transfer, kept."""
+        return self._on_host(None)
+
+    def metric_on_host(self, name: str) -> torch.Tensor:
+        """``metrics[name]`` on the CPU, in the round's dtype (as :meth:`samples_on_host`)."""
+        return self._on_host(name)
+
+    def _on_host(self, metric: str | None) -> torch.Tensor:
+        if metric not in self._host:
+            self._host[metric] = (self.num_samples if metric is None else self.metrics[metric]).cpu()
+        return self._host[metric]
+
     @property
     def n(self) -> int:
         return self.updates.shape[0]
@@ -350,6 +381,7 @@ class Round:
             quarantined=self.quarantined,
         )
         object.__setattr__(out, "reported_samples", self.reported_samples)  # the counts as given
+        out._host.update(self._host)
         return out
 
     def select(self, index: torch.Tensor | Sequence[int], quarantined: Mapping | None = None) -> Round:
@@ -357,11 +389,16 @@ class Round:
         given, replaces the record of clients removed as malformed."""
         idx = torch.as_tensor(index, dtype=torch.long, device=self.updates.device)
         pos = idx.tolist()
+
+        def pick(metric: str | None, values: torch.Tensor) -> torch.Tensor:  # from a host copy if kept
+            kept = self._host.get(metric)
+            return values.index_select(0, idx) if kept is None else kept[pos]
+
         return Round(
             updates=self.updates.index_select(0, idx),
             client_ids=[self.client_ids[i] for i in pos],
-            num_samples=self.num_samples.index_select(0, idx),
-            metrics={k: v.index_select(0, idx) for k, v in self.metrics.items()},
+            num_samples=pick(None, self.num_samples),
+            metrics={k: pick(k, v) for k, v in self.metrics.items()},
             reference=self.reference,
             previous=self.previous,
             quarantined=self.quarantined if quarantined is None else quarantined,

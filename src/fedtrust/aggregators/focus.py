@@ -122,7 +122,7 @@ class FOCUS(BaseRule):
         )  # eq 4, for next round
         ls = torch.where(torch.isfinite(ls), ls, math.inf)  # unmeasurable: the worst loss (eq 6's limit)
         self._ls.update(zip(round.client_ids, ls.tolist(), strict=True))
-        info = {"clients": {"credibility": cred, "E": e, "LS_previous": ls_prev, "LL": ll, "LS": ls}}
+        info = {"clients": {"credibility": cred, "E": e, "LS_previous": ls_prev, "LL": ll, "LS": ls.to(on)}}
         if self.sybils == "share":
             info["groups"] = groups.info(round.client_ids)
         return Aggregate(vector, weights, info)

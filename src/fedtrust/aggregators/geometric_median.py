@@ -52,7 +52,7 @@ class GeometricMedian(BaseRule):
     def first_pass(self, round: Round) -> FirstPass:  # the first step's fused pass takes the norms
         x = round.updates
         if self.weighted:
-            alpha = sample_weights(round, self.name).to("cpu", torch.float64)
+            alpha = sample_weights(round, self.name).to(torch.float64)
         else:
             alpha = torch.full((round.n,), 1.0 / round.n, dtype=torch.float64)
         passes = CombinationPasses(x, host=True)  # one fused pass a step; the n weights on the host

@@ -26,12 +26,10 @@ def robust_floor(values: torch.Tensor, spread: float = 3.0) -> torch.Tensor:
 
 
 def reference_losses(round: Round) -> torch.Tensor:
-    """Each client's update scored on the server's trusted split."""
+    """Each client's update scored on the server's trusted split (float64, on the host)."""
     if round.reference is None:
         raise ValueError("this defence needs Round.reference: a trusted benchmark split on the server")
-    return torch.tensor(
-        [float(round.reference(u)) for u in round.updates], dtype=torch.float64, device=round.updates.device
-    )
+    return torch.tensor([float(round.reference(u)) for u in round.updates], dtype=torch.float64)
 
 
 def defend(defence: str, round: Round, reported: torch.Tensor) -> torch.Tensor:
@@ -39,5 +37,5 @@ def defend(defence: str, round: Round, reported: torch.Tensor) -> torch.Tensor:
     if defence == "clip":
         return robust_floor(reported)
     if defence == "benchmark":
-        return torch.maximum(reported, reference_losses(round))
+        return torch.maximum(reported, reference_losses(round).to(reported.device))
     return reported

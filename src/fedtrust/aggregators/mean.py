@@ -46,15 +46,16 @@ class FedAvg(Mean):
     paper = "McMahan et al. 2017, Communication-Efficient Learning of Deep Networks from Decentralized Data"
 
     def weights(self, round: Round) -> torch.Tensor:
-        return sample_weights(round, self.name)
+        return sample_weights(round, self.name).to(round.updates.device)
 
 
-def sample_weights(round: Round, rule: str, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """n_k / sum_i n_i (:func:`normalised`) of the round's reported counts (``counts``: the same, already
-    moved to the host), with a clear error when every reported count is zero."""
-    counts = round.num_samples if counts is None else counts
+def sample_weights(round: Round, rule: str) -> torch.Tensor:
+    """n_k / sum_i n_i (:func:`normalised`) of the round's reported counts, on the host
+    (:meth:`Round.samples_on_host`: no sync on a GPU), with a clear error when every reported count is
+    zero."""
+    counts = round.samples_on_host()
     total = counts.sum()
-    read = float(total)  # one read of the total (a sync on a GPU), reused below
+    read = float(total)
     if not read > 0:
         raise RoundRefused(
             f"{rule}: the reported num_samples sum to {read}; sample weights need a positive total"

@@ -85,13 +85,14 @@ def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def moved(device: torch.device, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """``tensors`` (None kept) on ``device``, in one transfer when they are elsewhere: flattened into one
-    buffer of their common dtype, moved, and split back."""
+    buffer of their common dtype, moved, and split back, each in its own dtype (exactly: the common dtype
+    holds every value of each)."""
     present = [t for t in tensors if t is not None]
     if all(t.device == device for t in present):
         return tensors
     buffer = torch.cat([t.reshape(-1) for t in present]).to(device)
     parts = iter(buffer.split([t.numel() for t in present]))
-    return tuple(None if t is None else next(parts).view(t.shape) for t in tensors)
+    return tuple(None if t is None else next(parts).view(t.shape).to(t.dtype) for t in tensors)
 
 
 class CombinationPasses:
