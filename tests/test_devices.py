@@ -125,18 +125,25 @@ def test_the_emulated_device_catches_a_mix_as_cuda_would():
         ("centered_clipping", lambda out: 1),
         ("krum", lambda out: 1),  # the Gram matrix
         ("multi_krum", lambda out: 1),
+        ("cfl", lambda out: 2),  # the screen's norms, the Gram matrix
+        ("foolsgold", lambda out: 2),  # the screen's norms, the histories' Gram matrix
+        ("flame", lambda out: 2),  # the screen's norms, the distances and norms
+        ("norm_bounding", lambda out: 1),  # the screen's norms, which the rule reads too
+        ("dnc", lambda out: 1 + 2 * 5),  # the screen's norms; per iteration a Gram matrix and the scores
     ],
 )
 def test_per_client_arithmetic_runs_on_the_host_one_transfer_a_pass(name, transfers):
-    """Weiszfeld steps, clip factors and Krum scores are arithmetic on n (or n^2) numbers: on a device
-    each pass over the updates moves its results to the host in one transfer and the rule reads nothing
-    more (a GPU's small round is its launches and syncs); the round's screening reads the counts where
-    the server received them, on the host. The results come back on the device."""
+    """Weiszfeld steps, clip factors, Krum scores, CFL's bipartition, FoolsGold's similarities, FLAME's
+    clustering and DnC's eigenproblems are arithmetic on n (or n^2) numbers: on a device each pass over
+    the updates moves its results to the host in one transfer and the rule reads nothing more (a GPU's
+    small round is its launches and syncs: DnC solved its eigenproblems there, FLAME read 9 scalars);
+    the round's screening reads the counts where the server received them, on the host. The results
+    come back on the device."""
     r = random_round(0, dtype=torch.float32)
     with elsewhere() as host:
         out = rule(name)(there(r, reports_on_host=True))
     assert isinstance(out.weights, Elsewhere)
-    assert all(isinstance(v, Elsewhere) for v in out.info["clients"].values())
+    assert all(isinstance(v, Elsewhere) for v in out.info.get("clients", {}).values())
     assert (host.syncs, host.transfers) == (0, transfers(out))
 
 
@@ -145,16 +152,17 @@ def test_per_client_arithmetic_runs_on_the_host_one_transfer_a_pass(name, transf
 def test_the_clients_reported_numbers_are_read_on_the_host(name, reports_on_host):
     """The front door screens the clients' reported counts and metrics, and the mean's, FedAvg's and
     ARFL's weights are arithmetic on them: read where the server received them (the host), a clean round
-    on a device costs these rules one scalar, the check that the result is finite (the mean's, which
-    proves every update finite; ARFL's trust weights are a sort of n reported losses). Given on the
-    device, the reports cost one transfer each, read once (a sync each before: 3 for the mean, 8 for
-    ARFL). The weights come back on the device, equal to the CPU's."""
+    on a device costs these rules one read, the check that every update is sound: the mean's result
+    (a scalar: finite, it proves every update finite), ARFL's update norms (the screen's, one transfer;
+    its trust weights are a sort of n reported losses). Given on the device, the reports cost one
+    transfer each, read once (a sync each before: 3 for the mean, 8 for ARFL). The weights come back on
+    the device, equal to the CPU's."""
     r = random_round(0, dtype=torch.float32)
     expected = rule(name)(r)
     with elsewhere() as host:
         out = rule(name)(there(r, reports_on_host))
     reports = 0 if reports_on_host else 1 + (name == "arfl")  # the counts, and ARFL's losses
-    assert (host.syncs, host.transfers) == (1, reports)
+    assert (host.syncs, host.transfers) == ((0, 1 + reports) if name == "arfl" else (1, reports))
     assert isinstance(out.weights, Elsewhere) and isinstance(out.vector, Elsewhere)
     assert torch.equal(on_host(out.weights), expected.weights)
 

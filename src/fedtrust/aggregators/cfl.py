@@ -103,12 +103,12 @@ class CFL(BaseRule):
             raise NoValidUpdates(f"{self.name}: every client of this round was excluded in an earlier split")
         sub = round.select(active) if len(active) < round.n else round
         info: dict[str, Any] = {"split": False}
-        keep = torch.ones(sub.n, dtype=torch.bool, device=sub.updates.device)
+        keep = torch.ones(sub.n, dtype=torch.bool)  # the arithmetic on n (and n^2) numbers on the host
         if sub.n >= 3:
-            g = gram(sub.updates, sub.previous)
+            g = gram(sub.updates, sub.previous).cpu()  # one transfer (on a GPU each scalar read is a sync)
             norms = g.diagonal().clamp_min(0).sqrt()
             cos = g / (norms[:, None] * norms[None, :]).clamp_min(torch.finfo(torch.float64).tiny)
-            sw = sample_weights(sub, self.name).to(g.device, torch.float64)
+            sw = sample_weights(sub, self.name).to(torch.float64)
             mean_norm = float((sw @ g @ sw).clamp_min(0).sqrt())
             side, cross = optimal_bipartition(cos)
             info.update(
@@ -127,12 +127,11 @@ class CFL(BaseRule):
                 self._excluded.update({cid: self._round for cid in newly})
                 info.update(split=True, excluded_now=newly)
         kept = sub.select(torch.nonzero(keep).flatten()) if not bool(keep.all()) else sub
-        w_kept = sample_weights(kept, self.name).to(round.updates.device)
-        weights = torch.zeros(round.n, dtype=round.updates.dtype, device=round.updates.device)
-        rows = torch.as_tensor(active, device=weights.device)[keep]
-        weights[rows] = w_kept
+        w_kept = sample_weights(kept, self.name)
+        weights = torch.zeros(round.n, dtype=round.updates.dtype)
+        weights[torch.as_tensor(active)[keep]] = w_kept
         info["excluded"] = list(self._excluded)
-        return Aggregate(weighted_sum(kept.updates, w_kept), weights, info)
+        return Aggregate(weighted_sum(kept.updates, w_kept), weights.to(round.updates.device), info)
 
     def state_dict(self) -> dict[str, Any]:
         return {"excluded": dict(self._excluded), "round": self._round}

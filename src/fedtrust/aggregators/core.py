@@ -364,6 +364,12 @@ class Round:
         on first use and kept."""
         return row_norms(self.updates)
 
+    @cached_property
+    def norms_on_host(self) -> torch.Tensor:
+        """:attr:`norms` on the CPU (one transfer on a device, kept): the front door's screen and the
+        rules' arithmetic on n numbers read them there."""
+        return self.norms.cpu()
+
     @property
     def d(self) -> int:
         return self.updates.shape[1]

@@ -11,7 +11,7 @@ import torch
 from fedtrust._checks import check_float, check_int, check_seed
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round, RoundRefused, check_f
-from fedtrust.aggregators.passes import weighted_sum
+from fedtrust.aggregators.passes import moved, weighted_sum
 from fedtrust.aggregators.state import SeededCalls
 
 
@@ -32,16 +32,21 @@ def outlier_scores(sub: torch.Tensor) -> torch.Tensor:
 
     v comes from the n x n Gram matrix of the centred rows (its top eigenvector u gives v = X_c^T u /
     ||X_c^T u||), never from an SVD of the n x b matrix. The projections are taken row by row, so clients
-    with identical updates get bit-identical scores. No spread at all (every row the same): all 0."""
+    with identical updates get bit-identical scores. No spread at all (every row the same): all 0.
+
+    The scores come back on the host. The n x n eigenproblem is solved there (on a GPU the solver takes a
+    millisecond for what the host does in 20 us at n = 10), and the spread is read from its top eigenvalue
+    ||v||^2 = u' G u (no sync on a device); a ||v|| that underflows all the same gives all 0 too."""
     centred = sub.to(torch.float64)
     centred = centred - centred.mean(0)
     gram = centred @ centred.T
-    _, vectors = torch.linalg.eigh(gram)  # ascending eigenvalues: the last vector is the top one
-    v = centred.T @ vectors[:, -1]
-    length = v.norm()
-    if not length > 0:
-        return torch.zeros(sub.shape[0], dtype=torch.float64, device=sub.device)
-    return (centred * (v / length)).sum(1).square()
+    values, vectors = torch.linalg.eigh(gram.cpu())  # ascending eigenvalues: the last vector is the top one
+    zeros = torch.zeros(sub.shape[0], dtype=torch.float64)
+    if not values[-1] > 0:
+        return zeros
+    v = centred.T @ vectors[:, -1].to(gram.device)
+    scores = (centred * (v / v.norm())).sum(1).square().cpu()
+    return scores if bool(torch.isfinite(scores).all()) else zeros
 
 
 def lowest(scores: torch.Tensor, keep: int) -> torch.Tensor:
@@ -111,8 +116,8 @@ class DnC(SeededCalls, BaseRule):
         f = self.budget(round)
         keep = n - self._removed(f)
         generator = self.round_generator("dnc")
-        good = torch.ones(n, dtype=torch.bool, device=x.device)
-        total = torch.zeros(n, dtype=torch.float64, device=x.device)
+        good = torch.ones(n, dtype=torch.bool)  # the n scores' arithmetic on the host: one transfer each
+        total = torch.zeros(n, dtype=torch.float64)
         for _ in range(self.niters):
             cols = subsample(d, self.b, generator).to(x.device)
             scores = outlier_scores(x.index_select(1, cols))
@@ -123,10 +128,10 @@ class DnC(SeededCalls, BaseRule):
             raise RoundRefused(
                 f"{self.name}: no client was among the {keep} lowest scores in all {self.niters} iterations"
             )
-        weights = good.to(x.dtype) / good.sum()
+        weights, score = moved(x.device, good.to(x.dtype) / good.sum(), total / self.niters)
         info = {
             "f": f,
             "admitted": [round.client_ids[i] for i in torch.nonzero(good).flatten().tolist()],
-            "clients": {"score": total / self.niters},
+            "clients": {"score": score},
         }
         return Aggregate(weighted_sum(x, weights), weights, info)

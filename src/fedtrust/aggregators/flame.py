@@ -11,7 +11,7 @@ from fedtrust.aggregators.core import Aggregate, Round, RoundRefused
 from fedtrust.aggregators.distances import gram, moments_about
 from fedtrust.aggregators.mean import normalised
 from fedtrust.aggregators.norm_bounding import clip_factors, median_norm
-from fedtrust.aggregators.passes import weighted_sum
+from fedtrust.aggregators.passes import moved, weighted_sum
 from fedtrust.aggregators.state import SeededCalls
 
 
@@ -102,6 +102,9 @@ class FLAME(SeededCalls, BaseRule):
             m = moments_about(x, prev)
             dist = cosine_distances(m.gram + m.cross[:, None] + m.cross[None, :] + m.centre_sq)
             e = m.gram.diagonal().clamp_min(0).sqrt()
+        # the clustering and the arithmetic on n numbers run on the host (HDBSCAN's input is there anyway;
+        # on a GPU every read of a device scalar is a sync): the distances and norms in one transfer
+        dist, e = moved(torch.device("cpu"), dist, e)
         admitted = majority_cluster(dist)
         if not bool(admitted.any()):
             raise RoundRefused(f"{self.name}: HDBSCAN found no cluster among the {round.n} updates")
@@ -116,10 +119,11 @@ class FLAME(SeededCalls, BaseRule):
         if std > 0:
             vector += (std * torch.randn(round.d, generator=generator, dtype=x.dtype)).to(x.device)
         weights = normalised(coef) if coef.sum() > 0 else admitted.to(torch.float64) / admitted.sum()
+        weights, clip = moved(x.device, weights.to(x.dtype), clip)
         info = {
             "admitted": [round.client_ids[i] for i in torch.nonzero(admitted).flatten().tolist()],
             "clip_bound": bound,
             "noise_std": std,
             "clients": {"clip": clip},
         }
-        return Aggregate(vector, weights.to(x.dtype), info)
+        return Aggregate(vector, weights, info)

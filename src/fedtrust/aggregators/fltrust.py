@@ -6,7 +6,7 @@ import torch
 
 from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round, RoundRefused
-from fedtrust.aggregators.passes import moved, row_norms, weighted_sum
+from fedtrust.aggregators.passes import row_norms, weighted_sum
 
 
 class FLTrust(BaseRule):
@@ -38,16 +38,15 @@ class FLTrust(BaseRule):
     paper = "Cao, Fang, Liu, Gong 2021, FLTrust: Byzantine-robust Federated Learning via Trust Bootstrapping"
 
     def aggregate(self, round: Round) -> Aggregate:
-        g0 = self.server_update(round)
+        g0, norm0 = self.server_update(round)
         x = round.updates
-        norm0 = float(row_norms(g0[None])[0])
         if not norm0 > 0:
             return self.no_update(round, "the server's update on its root data is zero this round")
         tiny = torch.finfo(x.dtype).tiny
         unit = (g0 / norm0).to(x.dtype)
-        # the products and the norms in one transfer: the rule's arithmetic on n numbers runs on the host
-        # (on a GPU it was 20 kernels and a sync)
-        dots, norms = moved(torch.device("cpu"), x @ unit, round.norms)
+        # the products in one transfer, the norms as the front door's screen read them: the rule's
+        # arithmetic on n numbers runs on the host (on a GPU it was 20 kernels and a sync)
+        dots, norms = (x @ unit).cpu(), round.norms_on_host
         positive = norms > tiny
         cosine = torch.where(positive, dots.to(torch.float64) / norms.clamp_min(tiny), 0.0)
         cosine = cosine.clamp(-1.0, 1.0)
@@ -67,8 +66,9 @@ class FLTrust(BaseRule):
         weights = torch.full((round.n,), 1.0 / round.n, dtype=x.dtype, device=x.device)
         return Aggregate(torch.zeros_like(x[0]), weights, {"degenerate": f"{why}: no update this round"})
 
-    def server_update(self, round: Round) -> torch.Tensor:
-        """g_0 from ``round.reference.update()``, checked."""
+    def server_update(self, round: Round) -> tuple[torch.Tensor, float]:
+        """g_0 from ``round.reference.update()``, checked, and its norm (float64; both read in one
+        transfer)."""
         update = getattr(round.reference, "update", None)
         if not callable(update):
             raise RoundRefused(
@@ -76,9 +76,13 @@ class FLTrust(BaseRule):
                 "update() method (in configs, set data.benchmark so the server keeps a clean split)"
             )
         g0 = torch.as_tensor(update(), device=round.updates.device).reshape(-1)
-        if g0.numel() != round.d or not g0.is_floating_point() or not bool(torch.isfinite(g0).all()):
+        norm, finite = 0.0, False
+        if g0.numel() == round.d and g0.is_floating_point():
+            read = torch.stack([row_norms(g0[None])[0], torch.isfinite(g0).all().to(torch.float64)])
+            norm, finite = read.tolist()
+        if not finite:
             raise RoundRefused(
                 f"fltrust: the server's update must be {round.d} finite numbers, got "
                 f"{g0.numel()} of dtype {g0.dtype}"
             )
-        return g0
+        return g0, norm

@@ -14,7 +14,7 @@ from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.chunks import column_blocks
 from fedtrust.aggregators.core import Aggregate, Round
 from fedtrust.aggregators.distances import row_gram
-from fedtrust.aggregators.passes import weighted_sum
+from fedtrust.aggregators.passes import moved, weighted_sum
 from fedtrust.aggregators.state import Dict, Fields, Tensor, check_state
 
 #: Each client's history: a finite vector of the rounds' length (one d for all), in a floating dtype.
@@ -33,20 +33,21 @@ def rows_gram(rows: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Te
 
 
 def cosine_similarities(rows: torch.Tensor) -> torch.Tensor | None:
-    """(n, n) float64 cosine similarities of the rows of an (n, d) matrix (:func:`rows_gram`), or None when
-    one of them has a non-finite entry. A zero row has similarity 0 with every other.
+    """(n, n) float64 cosine similarities of the rows of an (n, d) matrix (:func:`rows_gram`), on the host
+    (one transfer of the Gram matrix), or None when one of them has a non-finite entry. A zero row has
+    similarity 0 with every other.
 
     Where some product overflows the rows' dtype (a history of huge updates) or some squared norm comes
     near its underflow (one of tiny updates, or a zero row), the Gram matrix is taken again with each row
     divided by its largest entry, which leaves the cosines as they are."""
-    g = rows_gram(rows)
+    g = rows_gram(rows).cpu()
     sq = g.diagonal()
     finfo = torch.finfo(rows.dtype)
     if not bool(torch.isfinite(g).all()) or bool((sq < finfo.tiny / finfo.eps).any()):
         scale = torch.linalg.vector_norm(rows, ord=math.inf, dim=1)
         if not bool(torch.isfinite(scale).all()):
             return None
-        g = rows_gram(rows, torch.where(scale > 0, scale, 1.0))
+        g = rows_gram(rows, torch.where(scale > 0, scale, 1.0)).cpu()
     norms = g.diagonal().sqrt()
     cs = g / (norms[:, None] * norms[None, :]).clamp_min(torch.finfo(torch.float64).tiny)
     return ((cs + cs.T) / 2).clamp(-1.0, 1.0)
@@ -131,8 +132,8 @@ class FoolsGold(BaseRule):
                 f"{self.name}: the history of client {round.client_ids[bad]!r} plus this round's update does "
                 f"not fit in {x.dtype}; the state is unchanged"
             )
-        alpha, v = foolsgold_weights(cs, self.kappa, copies=stopping_tol(x.dtype))
-        info: dict[str, Any] = {"clients": {"alpha": alpha, "similarity": v}}
+        alpha, v = foolsgold_weights(cs, self.kappa, copies=stopping_tol(x.dtype))  # (on the host)
+        info: dict[str, Any] = {}
         if alpha.sum() > 0:
             weights = alpha / alpha.sum()
         else:
@@ -142,7 +143,9 @@ class FoolsGold(BaseRule):
                 "no client to prefer, the plain mean instead"
             )
         self._history.write(round.client_ids, histories, known)
-        return Aggregate(weighted_sum(x, weights), weights.to(x.dtype), info)
+        weights, alpha, v = moved(x.device, weights.to(x.dtype), alpha, v)
+        info["clients"] = {"alpha": alpha, "similarity": v}
+        return Aggregate(weighted_sum(x, weights), weights, info)
 
     def state_dict(self) -> dict[str, Any]:
         rows = self._history.as_dict()

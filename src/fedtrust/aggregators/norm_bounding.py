@@ -54,9 +54,9 @@ class NormBounding(BaseRule):
 
     def aggregate(self, round: Round) -> Aggregate:
         x = round.updates
-        # the norms (float64, taken by the front door's screen) in one transfer: the rule's arithmetic on n
-        # numbers runs on the host with the counts (on a GPU it was 30 kernels and 4 syncs)
-        norms = round.norms.cpu()
+        # the norms (float64) as the front door's screen read them: the rule's arithmetic on n numbers runs
+        # on the host with the counts (on a GPU it was 30 kernels and 4 syncs)
+        norms = round.norms_on_host
         bound = median_norm(norms) if self.bound is None else self.bound
         clip = clip_factors(norms, bound)
         samples = sample_weights(round, self.name).to(torch.float64)

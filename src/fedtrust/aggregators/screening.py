@@ -84,7 +84,8 @@ def _screen_updates(round: Round, sizes: bool = True) -> dict[int, str]:
     x = round.updates
     bad: dict[int, str] = {}
     limit = norm_limit(x.dtype)
-    for i in torch.nonzero(~(round.norms <= limit)).flatten().tolist():  # NaN-safe: NaN <= limit is False
+    norms = round.norms_on_host  # one transfer (on a GPU a nonzero is a sync, and its read another)
+    for i in torch.nonzero(~(norms <= limit)).flatten().tolist():  # NaN-safe: NaN <= limit is False
         row = x[i]
         nan, inf = int(torch.isnan(row).sum()), int(torch.isinf(row).sum())
         if nan or inf:

@@ -234,9 +234,11 @@ class _WindowRule(BaseRule):
             raise RoundRefused(
                 f"{self.name}: the fit broke down on this round ({exc}){self._scale(task)}"
             ) from exc
-        if not all(bool(torch.isfinite(t).all()) for t in (res.consensus, res.weights)) or bool(
-            torch.isinf(res.noise).any()
-        ):  # a NaN noise is an unknown one (a lone source's), as in ``init_noise``
+        finite = torch.stack(  # one read (on a GPU each is a sync)
+            [torch.isfinite(res.consensus).all(), torch.isfinite(res.weights).all().to(res.consensus.device),
+             ~torch.isinf(res.noise).any().to(res.consensus.device)]
+        )  # fmt: skip
+        if not bool(finite.all()):  # a NaN noise is an unknown one (a lone source's), as in ``init_noise``
             raise RoundRefused(f"{self.name}: the fit is not finite on this round{self._scale(task)}")
         return res
 
