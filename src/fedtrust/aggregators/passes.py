@@ -170,9 +170,17 @@ class CombinationPasses:
         previous = None if previous is None else previous.reshape(i, k)
         z = torch.empty(i, k, **like) if out is None else out.reshape(i, k)
         parts = len(self.blocks)
-        dots, z_sq = torch.empty(parts, i, j, **like), torch.empty(parts, i, **like)
-        norms = torch.empty(parts, i, j, **like) if self.sq_norms is None else None
-        steps = torch.zeros(parts, **like)
+        # every per-block result is written into one buffer, moved to ``small`` in one transfer
+        sizes = [parts * i * j, parts * i, parts, parts * i * j if self.sq_norms is None else 0]
+
+        def carve(buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:  # dots, z_sq, steps, norms
+            dots, z_sq, steps, norms = buffer.split(sizes)
+            return dots.view(parts, i, j), z_sq.view(parts, i), steps, norms.view(-1, i, j)
+
+        buffer = torch.empty(sum(sizes), **like)
+        dots, z_sq, steps, norms = carve(buffer)
+        if previous is None:
+            steps.zero_()
         for first, count in self._batches():
             group = self.blocks[first : first + count]
             if count > 1:  # the group's matrix-vector products as one batched product each (batch_size)
@@ -202,12 +210,13 @@ class CombinationPasses:
                 else:
                     torch.bmm(c, zc[:, :, None], out=dots[b, :, :, None])
                     torch.linalg.vector_norm(zc, dim=1, out=z_sq[b]).square_()
-                if norms is not None:
+                if self.sq_norms is None:
                     torch.linalg.vector_norm(c, dim=-1, out=norms[b])
                 if previous is not None:
-                    steps[b] = torch.linalg.vector_norm(zc - previous[:, cols])
-        dots, z_sq, steps, norms = moved(self.small, dots, z_sq, steps, norms)
-        if norms is not None:
+                    torch.linalg.vector_norm(zc - previous[:, cols], out=steps[b])
+        if buffer.device != self.small:
+            dots, z_sq, steps, norms = carve(buffer.to(self.small))
+        if self.sq_norms is None:
             self.sq_norms = norms.to(torch.float64).square().sum(0)
         dots, z_sq = dots.to(torch.float64).sum(0), z_sq.to(torch.float64).sum(0)[:, None]
         self.z_norm = z_sq[:, 0].sqrt() if not self.flat else z_sq[0, 0].sqrt()
