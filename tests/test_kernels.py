@@ -13,7 +13,13 @@ from fedtrust import Round, available, rule
 from fedtrust.aggregators import chunks, order_stats, passes, rank_windows
 from fedtrust.aggregators.bulyan import closest_to_median, closest_to_median_by_sort
 from fedtrust.aggregators.chunks import column_blocks
-from fedtrust.aggregators.distances import pairwise_sq_distances, row_gram
+from fedtrust.aggregators.distances import (
+    _ill_conditioned,
+    pairwise_sq_distances,
+    row_gram,
+    sq_distances_from_gram,
+)
+from fedtrust.aggregators.krum import krum_order
 from fedtrust.aggregators.passes import CombinationPasses
 from fedtrust.aggregators.rank_windows import (
     rank_window,
@@ -63,6 +69,50 @@ def test_float32_distances_match_float64_reference_under_huge_outliers(seed, mag
         got[honest_block, honest_block], want[honest_block, honest_block], rtol=1e-4, atol=1e-3
     )
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3 * (1 + magnitude))
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    n=st.integers(3, 30),
+    offset=st.sampled_from([0.0, 0.3, 1.0, 3.0, 30.0]),
+    at_the_edge=st.sampled_from([None, 1 - 1e-12, 1.0, 1 + 1e-12]),
+)
+def test_the_conditioning_test_decides_as_each_points_quantile_does(seed, n, offset, at_the_edge):
+    """A round's distances are recomputed about a centre when some point's squared norm exceeds ``limit``
+    times the 20% quantile of its distances to the others. The test first compares against each point's
+    nearest and furthest distance, between which that quantile lies; it must decide exactly as the
+    quantile itself, also for a limit at a point's own ratio (to 1e-12). Ties (copies) included."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 20, generator=g, dtype=torch.float64) + offset * torch.randn(
+        20, generator=g, dtype=torch.float64
+    )
+    x[: n // 4] = x[-1]  # copies: zero distances
+    gm = x @ x.T
+    dist = sq_distances_from_gram(gm)
+    off = dist[~torch.eye(n, dtype=torch.bool)].reshape(n, n - 1)
+    quantile = torch.quantile(off, 0.2, dim=1)
+    limits = [3.0, 10.0, 100.0]
+    if at_the_edge is not None:
+        ratio = gm.diagonal() / quantile
+        limits.append(float(ratio[torch.isfinite(ratio)].max()) * at_the_edge)
+    for limit in limits:
+        assert _ill_conditioned(gm, dist, limit) == bool((gm.diagonal() > limit * quantile).any())
+
+
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(3, 30), neighbours=st.integers(1, 27))
+def test_krums_order_is_by_score_then_next_nearest_distances_then_row(seed, n, neighbours):
+    """Krum's order: the least score first, ties broken by the next-nearest distance, then the one after,
+    ..., then the lower row; the same as stable sorts by each key from the last to the score."""
+    neighbours = min(neighbours, n - 2)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 3, (n, 4), generator=g).double()  # many exact ties
+    dist = sq_distances_from_gram(x @ x.T)
+    scores, order = krum_order(dist, neighbours)
+    near = dist.masked_fill(torch.eye(n, dtype=torch.bool), torch.inf).sort(1).values[:, : n - 1]
+    want = torch.arange(n)
+    for key in [*near[:, neighbours:].T.flip(0), near[:, :neighbours].sum(1)]:
+        want = want[torch.argsort(key[want], stable=True)]
+    assert torch.equal(order, want) and torch.equal(scores, near[:, :neighbours].sum(1))
 
 
 CONSTANT_FIXTURE = settings(

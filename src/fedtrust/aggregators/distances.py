@@ -100,6 +100,8 @@ def sq_distances_from_gram(g: torch.Tensor) -> torch.Tensor:
 #: Distances come from the raw Gram matrix when no point's squared norm exceeds this many times its
 #: typical squared distance (update deltas: norms and distances are alike); otherwise from a centred one.
 _RAW_LIMIT = 10.0
+#: Relative margin of the bounds :func:`_ill_conditioned` tests before it takes a quantile.
+_QUANTILE_MARGIN = 1e-9
 #: Re-anchor the centred Gram matrix when points lie this many times further from the centre than
 #: typical pairwise distances (float32 cancellation would then swamp the small distances).
 _CONDITION_LIMIT = 100.0
@@ -109,10 +111,21 @@ def _ill_conditioned(g: torch.Tensor, dist: torch.Tensor, limit: float) -> bool:
     """Whether some point's squared norm exceeds ``limit`` times its own typical squared distance (the
     20% quantile of its distances to the others): the float32 cancellation in that point's small
     distances is then too large. Per point, so far-away outliers (large norms, large distances) do not
-    force a recomputation; a common component shared by all points does."""
+    force a recomputation; a common component shared by all points does.
+
+    The quantile lies between a point's nearest and furthest distance, so the test is first made against
+    those (a margin of 1e-9 for the quantile's rounding): only a point between the two needs the
+    quantile (a sort of its distances, most of a small round's time)."""
     n = g.shape[0]
-    off = dist[~torch.eye(n, dtype=torch.bool, device=dist.device)].reshape(n, n - 1)
-    return bool((g.diagonal() > limit * torch.quantile(off, 0.2, dim=1)).any())
+    sq = g.diagonal()
+    off_diagonal = ~torch.eye(n, dtype=torch.bool, device=dist.device)
+    nearest = dist.masked_fill(~off_diagonal, torch.inf).min(1).values
+    if bool((sq <= limit * nearest * (1 - _QUANTILE_MARGIN)).all()):
+        return False
+    if bool((sq > limit * dist.max(1).values * (1 + _QUANTILE_MARGIN)).any()):
+        return True
+    off = dist[off_diagonal].reshape(n, n - 1)
+    return bool((sq > limit * torch.quantile(off, 0.2, dim=1)).any())
 
 
 def pairwise_sq_distances(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

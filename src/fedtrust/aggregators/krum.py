@@ -29,13 +29,14 @@ def krum_order(sq_dist: torch.Tensor, neighbours: int) -> tuple[torch.Tensor, to
     ordered best first.
 
     Ties are broken by the next-nearest distances, then the ones after, so the order does not depend
-    on how clients are numbered (with one neighbour, mutual nearest neighbours always tie exactly).
+    on how clients are numbered (with one neighbour, mutual nearest neighbours always tie exactly); then
+    by row. One lexicographic sort on the host (NaN counting as the largest value, as in a sort):
+    ``sq_dist`` is there (:func:`~fedtrust.aggregators.distances.pairwise_sq_distances`).
     """
-    near, scores = _nearest(sq_dist, neighbours)
-    order = torch.arange(sq_dist.shape[0], device=sq_dist.device)
-    for key in [near[:, j] for j in range(near.shape[1] - 1, neighbours - 1, -1)] + [scores]:
-        order = order[torch.argsort(key[order], stable=True)]
-    return scores, order
+    near, scores = _nearest(sq_dist.cpu(), neighbours)
+    keys = near[:, neighbours:].numpy()[:, ::-1].T  # the last key is the primary one
+    order = np.lexsort((*keys, scores.numpy()))
+    return scores, torch.from_numpy(order)
 
 
 def krum_first(sq_dist: torch.Tensor, neighbours: int) -> int:
