@@ -335,8 +335,8 @@ class Round:
         """Keep per-client scalars given on the host (a list, numpy, a CPU tensor) there as well, in the
         round's dtype (``metric`` None: the counts), for :meth:`samples_on_host` and
         :meth:`metric_on_host`."""
-        if given.device.type == "cpu":
-            self._host[metric] = given.to(self.updates.dtype)
+        if given.device.type == "cpu":  # (a snapshot, as the device's field is, when that is elsewhere)
+            self._host[metric] = given.to(self.updates.dtype, copy=self.updates.device.type != "cpu")
 
     def samples_on_host(self) -> torch.Tensor:
         """``num_samples`` on the CPU, in the round's dtype. The front door's screen and the rules'
