@@ -90,6 +90,20 @@ def test_dnc_removes_a_client_far_out_along_one_direction_whatever_coordinates_i
     close(out.vector, honest.mean(0), scale=10)
 
 
+def test_dnc_removes_clients_whose_centred_gram_overflows():
+    """Three float64 updates of norm 1.25e154, under the front door's limit (1.34e154), one along +e and
+    two along -e: centred, the first exceeds the limit and the n x n Gram matrix overflows (its
+    eigenvalues NaN); the top singular vector still points along e, so the three score highest (an
+    infinite score) and go. (A spread test on the eigenvalues alone scored everyone 0 and kept them.)"""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 20, generator=g, dtype=F64)
+    e = torch.randn(20, generator=g, dtype=F64)
+    x[0], x[1], x[2] = 1.25e154 * e / e.norm(), -1.25e154 * e / e.norm(), -1.25e154 * e / e.norm()
+    out = rule("dnc", f=3)(Round(updates=x))
+    assert out.info.get("quarantined") is None  # (under the limit: not the front door's doing)
+    close(out.weights, [0.0] * 3 + [1 / 7] * 7)
+
+
 def test_dnc_removes_a_group_of_copies_the_cut_would_split_whole():
     """Two identical outliers with f = 1: the cut falls inside the group; both go (identical clients,
     identical trust)."""

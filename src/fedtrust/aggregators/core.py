@@ -332,11 +332,12 @@ class Round:
         return ids
 
     def _keep_on_host(self, metric: str | None, given: torch.Tensor) -> None:
-        """Keep per-client scalars given on the host (a list, numpy, a CPU tensor) there as well, in the
-        round's dtype (``metric`` None: the counts), for :meth:`samples_on_host` and
-        :meth:`metric_on_host`."""
-        if given.device.type == "cpu":  # (a snapshot, as the device's field is, when that is elsewhere)
-            self._host[metric] = given.to(self.updates.dtype, copy=self.updates.device.type != "cpu")
+        """When the round lives on a device, keep per-client scalars given on the host (a list, numpy, a
+        CPU tensor) there as well, in the round's dtype (``metric`` None: the counts), for
+        :meth:`samples_on_host` and :meth:`metric_on_host`. (A Round's tensors are not written after it
+        is made: a rule reads the counts from either copy.)"""
+        if given.device.type == "cpu" and self.updates.device.type != "cpu":  # (a snapshot, as the field is)
+            self._host[metric] = given.to(self.updates.dtype, copy=True)
 
     def samples_on_host(self) -> torch.Tensor:
         """``num_samples`` on the CPU, in the round's dtype. The front door's screen and the rules'
@@ -350,8 +351,11 @@ class Round:
         return self._on_host(name)
 
     def _on_host(self, metric: str | None) -> torch.Tensor:
+        field = self.num_samples if metric is None else self.metrics[metric]
+        if field.device.type == "cpu":  # the field itself
+            return field
         if metric not in self._host:
-            self._host[metric] = (self.num_samples if metric is None else self.metrics[metric]).cpu()
+            self._host[metric] = field.cpu()
         return self._host[metric]
 
     @property

@@ -85,8 +85,8 @@ def weighted_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def moved(device: torch.device, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """``tensors`` (None kept) on ``device``, in one transfer when they are elsewhere: flattened into one
-    buffer of their common dtype, moved, and split back, each in its own dtype (exactly: the common dtype
-    holds every value of each)."""
+    buffer of their common dtype, moved, and split back, each in its own dtype (exactly for floating
+    tensors: their common dtype holds every value of each)."""
     present = [t for t in tensors if t is not None]
     if all(t.device == device for t in present):
         return tensors
