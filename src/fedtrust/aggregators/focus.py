@@ -13,7 +13,7 @@ from fedtrust.aggregators.base import BaseRule
 from fedtrust.aggregators.core import Aggregate, Round
 from fedtrust.aggregators.loss_defences import DEFENCES, defend, reference_losses
 from fedtrust.aggregators.mean import normalised
-from fedtrust.aggregators.passes import weighted_sum
+from fedtrust.aggregators.passes import moved, weighted_sum
 from fedtrust.aggregators.screening import FirstPass
 from fedtrust.aggregators.state import Dict, Fields, Float, check_state
 from fedtrust.aggregators.sybils import SYBILS, find_groups, grouping_pass
@@ -90,22 +90,21 @@ class FOCUS(BaseRule):
     def aggregate(self, round: Round, first: FirstPass) -> Aggregate:
         if round.reference is None:
             raise ValueError(f"{self.name}: needs Round.reference, the loss on the server's benchmark split")
-        n = round.num_samples.to(torch.float64)
+        # the arithmetic on n numbers runs on the host, with the counts and reports the round keeps there
+        # (on a GPU each scalar read is a sync); the weights and per-client info move at the end
+        n = round.samples_on_host().to(torch.float64)
         bench_size = float(getattr(round.reference, "size", 1))
-        ll = defend(self.defence, round, round.metrics["train_loss"])
+        ll = defend(self.defence, round, round.metric_on_host("train_loss"))
         if self.reduction == "sum":
             ll = ll * n
-        on = round.updates.device
-        known = torch.tensor([cid in self._ls for cid in round.client_ids], device=on)
-        ls_prev = torch.tensor(
-            [self._ls.get(cid, float("nan")) for cid in round.client_ids], dtype=torch.float64, device=on
-        )
+        known = torch.tensor([cid in self._ls for cid in round.client_ids])
+        ls_prev = torch.tensor([self._ls.get(cid, math.nan) for cid in round.client_ids], dtype=torch.float64)
         e = ls_prev + ll
         groups = find_groups(round.updates, first.norms, sketch=first.value, sybils=self.sybils)
         # one source per group: its members' mean E (over those known) and mean count
         e_g, n_g = groups.pool(torch.where(known, e, math.nan)), groups.pool(n)
         known_g = ~torch.isnan(e_g) if not groups.trivial else known
-        cred_g = torch.ones(groups.count, dtype=torch.float64, device=on)
+        cred_g = torch.ones(groups.count, dtype=torch.float64)
         if known_g.any():
             cred_g[known_g] = credibility(e_g[known_g], self.alpha)
             cred_g[~known_g] = cred_g[known_g].mean()
@@ -116,13 +115,14 @@ class FOCUS(BaseRule):
             w = fallback
         weights = groups.split(normalised(w)).to(round.updates.dtype)
         cred = groups.expand(cred_g)
-        vector = weighted_sum(round.updates, weights)
         ls = reference_losses(round) * (
             bench_size if self.reduction == "sum" else 1.0
         )  # eq 4, for next round
         ls = torch.where(torch.isfinite(ls), ls, math.inf)  # unmeasurable: the worst loss (eq 6's limit)
         self._ls.update(zip(round.client_ids, ls.tolist(), strict=True))
-        info = {"clients": {"credibility": cred, "E": e, "LS_previous": ls_prev, "LL": ll, "LS": ls.to(on)}}
+        weights, *clients = moved(round.updates.device, weights, cred, e, ls_prev, ll, ls)
+        vector = weighted_sum(round.updates, weights)
+        info = {"clients": dict(zip(("credibility", "E", "LS_previous", "LL", "LS"), clients, strict=True))}
         if self.sybils == "share":
             info["groups"] = groups.info(round.client_ids)
         return Aggregate(vector, weights, info)
