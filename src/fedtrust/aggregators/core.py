@@ -225,22 +225,21 @@ class Round:
             raise ValueError(f"Round.updates has zero coordinates (got shape {(n, d)})")
         set_ = object.__setattr__
         set_(self, "updates", x)
-        set_(self, "_host", {})  # per-client scalars given on the host, kept there too (on_host)
+        set_(self, "_host", {})  # a device round's per-client scalars given on the host (_keep_on_host)
 
         ids = tuple(range(n)) if self.client_ids is None else self._ids(self.client_ids, n)
         set_(self, "client_ids", ids)
 
         if self.num_samples is None:
-            reported = torch.ones(n, dtype=x.dtype, device=x.device)
-            self._keep_on_host(None, torch.ones(n))
+            reported = torch.ones(n, dtype=x.dtype)
         else:
             reported = _per_client("Round.num_samples", self.num_samples)
             if reported.numel() != n:
                 raise ValueError(
                     f"Round.num_samples must have one entry per client ({n}), got {reported.numel()}"
                 )
-            self._keep_on_host(None, reported)
-            reported = reported.to(x.device)
+        self._keep_on_host(None, reported)
+        reported = reported.to(x.device)
         set_(self, "num_samples", reported.to(x.dtype))
         set_(self, "reported_samples", reported)  # as given: the front door names a count that overflowed
 

@@ -118,13 +118,13 @@ def _ill_conditioned(g: torch.Tensor, dist: torch.Tensor, limit: float) -> bool:
     quantile (a sort of its distances, most of a small round's time)."""
     n = g.shape[0]
     sq = g.diagonal()
-    off_diagonal = ~torch.eye(n, dtype=torch.bool, device=dist.device)
-    nearest = dist.masked_fill(~off_diagonal, torch.inf).min(1).values
+    diagonal = torch.eye(n, dtype=torch.bool, device=dist.device)
+    nearest = dist.masked_fill(diagonal, torch.inf).min(1).values
     if bool((sq <= limit * nearest * (1 - _QUANTILE_MARGIN)).all()):
         return False
     if bool((sq > limit * dist.max(1).values * (1 + _QUANTILE_MARGIN)).any()):
         return True
-    off = dist[off_diagonal].reshape(n, n - 1)
+    off = dist[~diagonal].reshape(n, n - 1)
     return bool((sq > limit * torch.quantile(off, 0.2, dim=1)).any())
 
 

@@ -50,7 +50,7 @@ def start_noise(t, init_noise, gram: TaskGram | TaskPasses | None = None) -> tor
     Given, it is checked on the host and returned there (the iterations run there)."""
     if init_noise is None:
         return mean_noise(t, gram)
-    given = torch.as_tensor(init_noise, dtype=torch.float64).cpu().clone().reshape(-1)
+    given = torch.as_tensor(init_noise, dtype=torch.float64).to("cpu", copy=True).reshape(-1)
     if len(given) != t.shape[1]:
         raise ValueError(f"init_noise needs one variance per source ({t.shape[1]}), got {len(given)}")
     unknown = torch.isnan(given)
