@@ -3,6 +3,7 @@ per-client reference loop, for every model and mode."""
 
 import pytest
 import torch
+from elsewhere import Elsewhere, elsewhere, on_host, to_elsewhere
 
 from fedtrust.data import load_digits, synthetic_linear
 from fedtrust.models import build_model
@@ -98,3 +99,60 @@ def test_a_batch_size_above_every_clients_rows_trains_on_whole_shares_without_bu
         rtol=0,
         atol=0,
     )
+
+
+def test_a_device_trains_every_client_at_once_where_the_cpu_groups_them(monkeypatch):
+    """The CPU keeps a group's parameter copies within GROUP_BYTES (its caches); on a device (a GPU) a
+    group is kernels as wide as the group, so all clients train at once: a 100-client round of the
+    Fashion-MNIST CNN (215K parameters, 86 MB of copies) took 3 groups there by the CPU's bound."""
+    assert executor.group_size(100, 215_370 * 4, torch.device("cpu")) == 34
+    assert executor.group_size(100, 215_370 * 4, torch.device("cuda")) == 100
+    assert executor.group_size(100, 10, torch.device("cpu")) == 100
+    assert executor.group_size(0, 10, torch.device("cuda")) == 1
+    # the executor asks for the device of the start: on the emulated device one group, the CPU's result
+    monkeypatch.setattr(executor, "GROUP_BYTES", 1)  # the CPU: a client a group
+    model = build_model("mlp", DIGITS, hidden=[16, 8])
+    start, data = model.init(1), clients(DIGITS, [13, 40, 7, 25])
+    gens = lambda: [torch.Generator().manual_seed(10 + k) for k in range(len(data))]  # noqa: E731
+    steps, groups = executor._sgd_steps, []
+    monkeypatch.setattr(executor, "_sgd_steps", lambda *a: groups.append(len(a[3])) or steps(*a))
+    on_cpu = batched_local_sgd(model, start, data, 2, 8, 0.05, 0.0, gens())
+    assert groups == [1, 1, 1, 1]
+    groups.clear()
+    with elsewhere():
+        there = batched_local_sgd(model, to_elsewhere(start), to_elsewhere(data), 2, 8, 0.05, 0.0, gens())
+    assert groups == [4] and isinstance(there, Elsewhere)
+    torch.testing.assert_close(on_host(there), on_cpu, rtol=1e-5, atol=1e-7)
+
+
+def test_a_group_the_memory_cannot_hold_is_trained_again_in_halves(monkeypatch):
+    """An OutOfMemoryError in a group's steps retrains that group in halves, with the updates of an
+    undisturbed call (a group's steps depend on the start and its step plan alone), and later calls on
+    that device, model and batch width start from the size that fitted; one client that cannot fit
+    raises."""
+    monkeypatch.setattr(executor, "_FITS", {})
+    model = build_model("mlp", DIGITS, hidden=[16, 8])
+    start, data = model.init(1), clients(DIGITS, [13, 40, 7, 0, 25, 9, 11])
+    gens = lambda: [torch.Generator().manual_seed(10 + k) for k in range(len(data))]  # noqa: E731
+    whole = batched_local_sgd(model, start, data, 2, 8, 0.05, 1e-3, gens())
+    steps, tried = executor._sgd_steps, []
+
+    def holds(limit):
+        def sgd_steps(model, start, stacked, index, *rest):
+            tried.append(len(index))
+            if len(index) > limit:
+                raise torch.OutOfMemoryError("emulated: the group does not fit")
+            return steps(model, start, stacked, index, *rest)
+
+        monkeypatch.setattr(executor, "_sgd_steps", sgd_steps)
+
+    holds(2)
+    halved = batched_local_sgd(model, start, data, 2, 8, 0.05, 1e-3, gens())
+    assert tried == [7, 4, 2, 2, 2, 1]  # 7 -> 4 -> 2 clients a group: 2 + 2 + 2 + 1
+    torch.testing.assert_close(halved, whole, rtol=1e-5, atol=1e-7)
+    tried.clear()
+    batched_local_sgd(model, start, data, 2, 8, 0.05, 1e-3, gens())
+    assert tried == [2, 2, 2, 1]  # learnt: no failing group first
+    holds(0)
+    with pytest.raises(torch.OutOfMemoryError):
+        batched_local_sgd(model, start, data, 2, 8, 0.05, 1e-3, gens())

@@ -97,26 +97,53 @@ def batched_local_sgd(
 ) -> torch.Tensor:
     """(m, d): each client's vector after ``epochs`` of mini-batch SGD from ``start`` (as local_sgd).
 
-    Clients train in groups whose parameter copies together stay within ``GROUP_BYTES``, one group after
-    another (all of a group's steps at once)."""
+    Clients train in groups (:func:`group_size`), one group after another (all of a group's steps at
+    once). A group the device's memory cannot hold (``torch.OutOfMemoryError``) is trained again in
+    halves: its steps are a function of ``start`` and its step plan alone, drawn before any group trains."""
     stacked = Stacked.of(data)
     steps = [[rows for _ in range(epochs) for rows in batches(n, batch_size, g)]
              for n, g in zip(stacked.sizes.tolist(), generators, strict=True)]  # fmt: skip
     index, mask = (t.to(start.device) for t in _step_plan(stacked, steps, batch_size))
     clients = len(stacked)
-    groups = max(1, -(-clients * model.size * start.element_size() // GROUP_BYTES))
-    size = max(1, -(-clients // groups))
+    key = (start.device, start.dtype, model.size, index.shape[2])
+    size = min(group_size(clients, model.size * start.element_size(), start.device), _FITS.get(key, clients))
     out = torch.empty(clients, model.size, dtype=start.dtype, device=start.device)
-    for lo in range(0, clients, size):
-        part = slice(lo, lo + size)
-        out[part] = _sgd_steps(model, start, stacked, index[part], mask[part], lr, weight_decay)
+    lo = 0
+    while lo < clients:
+        part, fits = slice(lo, lo + size), True
+        try:
+            out[part] = _sgd_steps(model, start, stacked, index[part], mask[part], lr, weight_decay)
+        except torch.OutOfMemoryError:
+            if size == 1:
+                raise
+            fits = False  # (retried outside the handler, which holds the failed group's tensors)
+        if fits:
+            lo += size
+        else:
+            size = _FITS[key] = (size + 1) // 2
     return out
 
 
-#: Bytes of parameter copies trained at once. Above it the per-step weights, gradients and temporaries
-#: leave the cache and each fresh allocation is a new memory mapping (glibc maps blocks over 32 MiB):
-#: Fashion-MNIST MLP (159K parameters, 100 clients) trains 2x faster in two groups of 50 than in one.
+#: Bytes of parameter copies trained at once on the CPU. Above it the per-step weights, gradients and
+#: temporaries leave the cache and each fresh allocation is a new memory mapping (glibc maps blocks over
+#: 32 MiB): Fashion-MNIST MLP (159K parameters, 100 clients) trains 2x faster in two groups of 50 than in one.
 GROUP_BYTES = 1 << 25
+
+#: (device, dtype, model size, batch width) -> the most clients whose group that device's memory held,
+#: learnt from an OutOfMemoryError, so that later rounds do not fail first
+_FITS: dict[tuple, int] = {}
+
+
+def group_size(clients: int, model_bytes: int, device: torch.device) -> int:
+    """How many clients train at once. On the CPU, as many as keep their parameter copies within
+    ``GROUP_BYTES`` (in equal groups). On another device (a GPU) all of them: there a group is a set of
+    kernels each as wide as the group, and splitting it only adds launches (a 100-client round of the
+    Fashion-MNIST CNN, 215K parameters, would take 3 groups by the CPU's bound); :func:`batched_local_sgd`
+    halves a group the device's memory cannot hold."""
+    if device.type != "cpu":
+        return max(1, clients)
+    groups = max(1, -(-clients * model_bytes // GROUP_BYTES))
+    return max(1, -(-clients // groups))
 
 
 def _sgd_steps(model, start, stacked: Stacked, index, mask, lr: float, weight_decay: float) -> torch.Tensor:
@@ -125,6 +152,7 @@ def _sgd_steps(model, start, stacked: Stacked, index, mask, lr: float, weight_de
     live = mask.sum(2) > 0  # (m, S): client k takes step s
     steps = int(live.any(0).nonzero().max()) + 1 if bool(live.any()) else 0
     w = start.detach().expand(m, -1).clone()
+    rates = -lr * live.to(w.dtype)  # (m, S): clients out of batches stay put
     step_grad = vmap(grad(_masked_loss(model)))
     # every step's mini-batches are gathered into the same buffers (index_select with out=: half the time
     # of fancy indexing into a fresh tensor)
@@ -138,8 +166,7 @@ def _sgd_steps(model, start, stacked: Stacked, index, mask, lr: float, weight_de
                       mask[:, s].to(stacked.x.dtype))  # fmt: skip
         if weight_decay:
             g.add_(w, alpha=weight_decay)
-        step = -lr * live[:, s].to(w.dtype)[:, None]  # clients out of batches stay put
-        w.addcmul_(step, g)  # in place, one pass: w holds m copies of the model
+        w.addcmul_(rates[:, s, None], g)  # in place, one pass: w holds m copies of the model
     return w
 
 
