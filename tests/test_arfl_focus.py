@@ -199,6 +199,36 @@ def test_copies_whose_benchmark_loss_cannot_be_measured_get_no_weight():
     assert float(out.vector.abs().max()) < 1.0
 
 
+def test_a_reference_may_give_its_losses_as_tensors_and_must_give_one_each():
+    """Round.reference may return a number or a one-element tensor (read together with the others: on a
+    GPU one transfer instead of a sync a client); the weights are the same either way. A reference that
+    returns several numbers for one update is refused, naming the client, before any weight is formed."""
+
+    def as_float(vector):
+        return float(vector.square().sum())
+
+    def as_tensor(vector):
+        return vector.square().sum().reshape(1)
+
+    def mixed(vector):
+        return as_tensor(vector) if vector[0] > 0.2 else as_float(vector)
+
+    x = torch.tensor([[0.1, 0.2], [0.3, 0.1], [1.0, 0.5]], dtype=torch.float64)
+    rounds = [
+        dict(updates=x, num_samples=[10.0, 20.0, 30.0], metrics={"train_loss": loss})
+        for loss in ([0.5, 0.6, 0.4], [0.7, 0.8, 0.9])
+    ]
+    weights = {}
+    for reference in (as_float, as_tensor, mixed):
+        focus = rule("focus", alpha=0.5)
+        weights[reference.__name__] = [focus(Round(**r, reference=reference)).weights for r in rounds][-1]
+    assert 0 < weights["as_float"].min() and not torch.allclose(weights["as_float"], x.new_tensor([1, 2, 3]) / 6)
+    torch.testing.assert_close(weights["as_tensor"], weights["as_float"], rtol=0, atol=0)
+    torch.testing.assert_close(weights["mixed"], weights["as_float"], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"reference returned a tensor of shape \(2,\) for client 1; it must"):
+        rule("focus")(Round(**rounds[0], reference=lambda v: v.square() if v[0] > 0.2 else v.sum()))
+
+
 def test_focus_needs_the_benchmark_split():
     with pytest.raises(ValueError, match="focus: needs Round.reference"):
         rule("focus")(Round(updates=torch.randn(3, 2), metrics={"train_loss": [1.0, 1.0, 1.0]}))

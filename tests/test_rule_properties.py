@@ -71,8 +71,8 @@ class Benchmark:
     def __init__(self, d: int):
         self.d = d
 
-    def __call__(self, vector):
-        return benchmark_loss(vector)
+    def __call__(self, vector):  # a 0-dim tensor where the vector is, as the simulator's reference gives
+        return (vector - 0.3).square().mean()
 
     def update(self):
         return torch.full((self.d,), 0.3, dtype=torch.float64)

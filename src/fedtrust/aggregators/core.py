@@ -424,7 +424,7 @@ class _UpdatesReference:
         if callable(getattr(reference, "update", None)):
             self.update = lambda: torch.as_tensor(reference.update()).to(previous) - previous
 
-    def __call__(self, update: torch.Tensor) -> float:
+    def __call__(self, update: torch.Tensor) -> float | torch.Tensor:
         return self.reference(update + self.previous)
 
 

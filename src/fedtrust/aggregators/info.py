@@ -133,7 +133,9 @@ class Reference(Protocol):
     update: one client's (d,) row of ``Round.updates``, in its dtype and on its device, meaning what
             the round's updates mean (a delta from the previous global model, or parameters): the
             callable builds the model that update gives the server and returns its mean loss per
-            example on the benchmark split as a float. Lower is better. It must not modify ``update``
+            example on the benchmark split, as a float or a one-element tensor (on any device: the
+            rules read every client's loss in one transfer, where a float is a GPU sync each). Lower
+            is better. It must not modify ``update``
             and must give the same loss for the same update. A non-finite loss is allowed: the rules
             count it as the worst loss possible.
     size:   optional attribute, the number of examples in the split (FOCUS's eq 4 sums the loss over
@@ -149,4 +151,4 @@ class Reference(Protocol):
     the server holds a benchmark split (``data.benchmark`` in a config, ``TrustStrategy(benchmark=...)``).
     """
 
-    def __call__(self, update: torch.Tensor) -> float: ...
+    def __call__(self, update: torch.Tensor) -> float | torch.Tensor: ...

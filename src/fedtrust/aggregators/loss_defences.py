@@ -26,10 +26,30 @@ def robust_floor(values: torch.Tensor, spread: float = 3.0) -> torch.Tensor:
 
 
 def reference_losses(round: Round) -> torch.Tensor:
-    """Each client's update scored on the server's trusted split (float64, on the host)."""
+    """Each client's update scored on the server's trusted split (float64, on the host). The reference
+    may give each loss as a number or as a one-element tensor on any device
+    (:class:`~fedtrust.aggregators.info.Reference`): the tensors are read together, in one transfer (on a
+    GPU a read each was a sync a client: 100 of FOCUS's 102 at 100 clients)."""
     if round.reference is None:
         raise ValueError("this defence needs Round.reference: a trusted benchmark split on the server")
-    return torch.tensor([float(round.reference(u)) for u in round.updates], dtype=torch.float64)
+    losses = [round.reference(u) for u in round.updates]
+    out = torch.empty(len(losses), dtype=torch.float64)
+    tensors = []
+    for i, loss in enumerate(losses):
+        if not isinstance(loss, torch.Tensor):
+            out[i] = float(loss)
+        elif loss.numel() != 1:
+            raise ValueError(
+                f"Round.reference returned a tensor of shape {tuple(loss.shape)} for client "
+                f"{round.client_ids[i]!r}; it must return one loss (a number or a one-element tensor)"
+            )
+        else:
+            tensors.append(i)
+    if tensors:
+        device = losses[tensors[0]].device
+        read = torch.stack([losses[i].detach().reshape(()).to(device) for i in tensors])
+        out[tensors] = read.to("cpu", torch.float64)
+    return out
 
 
 def defend(defence: str, round: Round, reported: torch.Tensor) -> torch.Tensor:

@@ -573,13 +573,13 @@ class ServerReference:
         self.size = 1 if strategy.benchmark is None else len(strategy.benchmark[1])
         self._update: torch.Tensor | None = None
 
-    def __call__(self, update: torch.Tensor) -> float:
+    def __call__(self, update: torch.Tensor) -> torch.Tensor:  # on the model's device, read by the rule
         s = self.strategy
         if s.model is None or s.benchmark is None:
             raise RoundRefused("the strategy holds no benchmark split to score updates on (benchmark=)")
         bx, by = s.benchmark
         with torch.no_grad():
-            return float(s.model.loss(self.start + update, bx, by))
+            return s.model.loss(self.start + update, bx, by)
 
     def update(self) -> torch.Tensor:
         if self._update is None:

@@ -47,8 +47,9 @@ class BenchmarkReference:
         self.size = len(self.y)
         self._update: torch.Tensor | None = None
 
-    def __call__(self, update: torch.Tensor) -> float:
-        return mean_loss(self.sim.model, self.sim._after(update), self.x, self.y)
+    @torch.no_grad()
+    def __call__(self, update: torch.Tensor) -> torch.Tensor:  # on the model's device, read by the rule
+        return self.sim.model.loss(self.sim._after(update), self.x, self.y)
 
     def update(self) -> torch.Tensor:
         if self._update is None:
