@@ -222,11 +222,13 @@ def test_a_reference_may_give_its_losses_as_tensors_and_must_give_one_each():
     for reference in (as_float, as_tensor, mixed):
         focus = rule("focus", alpha=0.5)
         weights[reference.__name__] = [focus(Round(**r, reference=reference)).weights for r in rounds][-1]
-    assert 0 < weights["as_float"].min() and not torch.allclose(weights["as_float"], x.new_tensor([1, 2, 3]) / 6)
+    by_counts = x.new_tensor([1, 2, 3]) / 6  # W_0: eq 8 with every credibility equal
+    assert 0 < weights["as_float"].min() and not torch.allclose(weights["as_float"], by_counts)
     torch.testing.assert_close(weights["as_tensor"], weights["as_float"], rtol=0, atol=0)
     torch.testing.assert_close(weights["mixed"], weights["as_float"], rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"reference returned a tensor of shape \(2,\) for client 1; it must"):
-        rule("focus")(Round(**rounds[0], reference=lambda v: v.square() if v[0] > 0.2 else v.sum()))
+    vectors = Round(**rounds[0], reference=lambda v: v.square() if v[0] > 0.2 else v.sum())
+    with pytest.raises(ValueError, match=r"returned a tensor of shape \(2,\) for client 1; it must return"):
+        rule("focus")(vectors)
 
 
 def test_focus_needs_the_benchmark_split():
