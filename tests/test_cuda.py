@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import dtype_tol
 from float_specials import assert_window_agrees, special_columns, windows
-from test_devices import CASES, build, rounds, simulation_config
+from test_devices import CASES, SIMULATIONS, build, rounds, simulation_config
 
 from fedtrust import Round
 
@@ -49,15 +49,20 @@ def test_rule_on_cuda_matches_the_cpu(name, options, dtype):
         torch.testing.assert_close(out.weights.cpu(), expected.weights, **tol)
 
 
-def test_short_simulation_on_cuda_matches_the_cpu():
+@pytest.mark.parametrize(("rule_name", "corruption", "executor", "model"), SIMULATIONS,
+                         ids=[f"{r}-{c['name']}-{e}" for r, c, e, _ in SIMULATIONS])  # fmt: skip
+def test_short_simulation_on_cuda_matches_the_cpu(rule_name, corruption, executor, model):
+    """Both executors, an attack, a backdoor, and the rules that read the server's benchmark split
+    (FOCUS's losses come back as CUDA tensors, read in one transfer; FLTrust's g_0)."""
     from fedtrust.sweeps.runner import build_simulation
 
-    cfg = simulation_config("ivar_mle", {"name": "alie"}, "batched")
+    cfg = simulation_config(rule_name, corruption, executor, model)
     expected = build_simulation(cfg, device="cpu").run()
     sim = build_simulation(cfg, device="cuda")
     records = sim.run()
     assert sim.vector.is_cuda
     for got, want in zip(records, expected, strict=True):
+        assert got["error"] == want["error"]
         assert got["metrics"]["accuracy"] == pytest.approx(want["metrics"]["accuracy"], abs=0.02)
 
 
