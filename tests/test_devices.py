@@ -357,6 +357,29 @@ def test_simulation_runs_on_the_device(rule_name, corruption, executor, model):
         assert got["weights"] == pytest.approx(want["weights"], abs=1e-3)
 
 
+@pytest.mark.parametrize("executor", ["loop", "batched"])
+def test_a_simulated_round_reads_as_many_device_scalars_whatever_its_clients(executor):
+    """A round's reads from the device (each a GPU sync) do not grow with its clients: their reported
+    losses are written where they are computed, and FOCUS's benchmark losses come back together (the
+    per-client loop read each client's loss, and FOCUS each benchmark loss, one sync at a time)."""
+    from fedtrust.sweeps.config import validate
+    from fedtrust.sweeps.runner import build_simulation
+
+    reads = []
+    for clients in (6, 12):
+        cfg = validate({"name": "reads", "seed": 1,
+                        "data": {"name": "digits", "clients": clients, "benchmark": 0.05},
+                        "train": {"rounds": 2, "executor": executor, "report_loss": "always"},
+                        "rule": {"name": "focus"}})  # fmt: skip
+        with elsewhere():
+            sim = build_simulation(cfg, device=DEVICE)
+            sim.step(1)
+        with elsewhere() as host:
+            sim.step(2)
+        reads.append((host.syncs, host.transfers))
+    assert reads[0] == reads[1], reads
+
+
 def test_train_device_is_checked_and_left_out_of_the_config_hash():
     from fedtrust.sim.settings import TrainSettings, resolve_device
     from fedtrust.sweeps.config import ConfigError, validate

@@ -166,7 +166,8 @@ class Simulation:
         for i, k in enumerate(chosen):
             x, y = self.fed.data[k]
             if losses is not None:
-                losses[i] = mean_loss(self.model, self.vector, x, y)
+                with torch.no_grad():  # written where it is computed: no read (a GPU sync) a client
+                    losses[i] = self.model.loss(self.vector, x, y)
             if i not in train:
                 continue
             updates[i] = self.train(x, y, stream(self.seed, "train", t, k))
