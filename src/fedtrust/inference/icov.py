@@ -19,7 +19,7 @@ import torch
 from fedtrust._checks import check_bool, check_int, resolve_tol
 from fedtrust.inference.accelerate import Step, one_thread, squarem
 from fedtrust.inference.result import InferenceResult, WeightChanges, converged
-from fedtrust.inference.tasks import TaskGram, as_tasks, mean_noise, moved, weighted_sums
+from fedtrust.inference.tasks import TaskGram, as_tasks, mean_noise, stats_on, weighted_sums
 
 LOG2PI = math.log(2 * math.pi)
 
@@ -551,7 +551,7 @@ def icov_vb(
     state, lam, phi_u, alpha, sigma, now = fit.last.record
     coef_u, v, psi, s2, sy2, su2, sv2 = (x.to(device) if isinstance(x, torch.Tensor) else x for x in state)
     lam, phi_u, alpha, sigma, weights = (x.to(device) for x in (lam, phi_u, alpha, sigma, fit.last.weights))
-    now = moved(now, device)
+    now = stats_on(now, device)
     return InferenceResult(
         estimator="icov_vb",
         consensus=weighted_sums(t, weights),
@@ -591,9 +591,9 @@ class _VbSweep:
         gram = TaskGram.of(t)
         self.start_noise = mean_noise(t, gram).to(host)
         self.shape, self.d, self.noise, self.ard = t.shape, latent_dim, noise, ard
-        self.past = None if past is None else moved(past, host)
+        self.past = None if past is None else stats_on(past, host)
         self.k = t.shape[2]
-        self.m, self.mask, self.gram = t.m.to(host), t.mask.to(host), moved(gram, host)
+        self.m, self.mask, self.gram = t.m.to(host), t.mask.to(host), stats_on(gram, host)
         self.eye = torch.eye(latent_dim, dtype=torch.float64)
         # minus alpha: x - ybar
         self.to_residual = torch.eye(t.shape[1], dtype=torch.float64)[None]

@@ -16,7 +16,7 @@ import torch
 from fedtrust._checks import check_float, check_int, resolve_tol
 from fedtrust.inference.accelerate import Step, squarem
 from fedtrust.inference.result import InferenceResult, WeightChanges, converged
-from fedtrust.inference.tasks import TaskGram, TaskPasses, as_tasks, mean_noise, moved, weighted_sums
+from fedtrust.inference.tasks import TaskGram, TaskPasses, as_tasks, mean_noise, stats_on, weighted_sums
 
 LOG2PI = math.log(2 * math.pi)
 
@@ -122,12 +122,12 @@ def ivar_mle(
     direct = sources >= DIRECT_MIN_SOURCES  # residuals by exact passes (or a given Gram while resolved)
     gram = TaskPasses(t) if direct and t.gram is None else TaskGram.of(t)
     tol = resolve_tol(tol, t.x.dtype)
-    past = moved(past or IvarPast.empty(sources), host)
+    past = stats_on(past or IvarPast.empty(sources), host)
     first = torch.ones(sources, dtype=torch.float64) if init_noise is None else (
         start_noise(t, init_noise, gram).to(host)
     )  # fmt: skip
     if isinstance(gram, TaskGram):
-        gram = moved(gram, host)
+        gram = stats_on(gram, host)
     count = m.sum(0) + past.count
     if sources == 1:
         return _lone_source(t, past, count, tol)
@@ -169,7 +169,7 @@ def ivar_mle(
         converged=converged(changes, tol),
         changes=list(changes),
         tol=tol,
-        past=moved(IvarPast(r.sum(0), m.sum(0)), device),
+        past=stats_on(IvarPast(r.sum(0), m.sum(0)), device),
     )
 
 
@@ -231,7 +231,7 @@ def _degenerate(t, m, gram, first, past, max_iter, tol, it, floor, update) -> In
         changes=list(fit.changes),
         tol=tol,
         params={"degenerate": reason, "lambda": lam.to(device)},
-        past=moved(IvarPast(spread, m.sum(0)), device),
+        past=stats_on(IvarPast(spread, m.sum(0)), device),
     )
 
 
@@ -271,8 +271,8 @@ def ivar_vb(
     gram = TaskGram.of(t)
     tol = resolve_tol(tol, t.x.dtype)
     noise = start_noise(t, init_noise, gram).to(host)
-    gram, m = moved(gram, host), t.m.to(host)
-    past = moved(past or IvarPast.empty(sources), host)
+    gram, m = stats_on(gram, host), t.m.to(host)
+    past = stats_on(past or IvarPast.empty(sources), host)
     if tau2 is None:
         tau2 = float(gram.sq_norm(m / m.sum(1, keepdim=True)).sum()) / (tasks * k) + float(noise.mean())
     fit = _em(m, k, gram, noise, tau2, past, max_iter, tol)
@@ -288,7 +288,7 @@ def ivar_vb(
         changes=list(fit.changes),
         tol=tol,
         params={"tau2": tau2, "lambda": lam.to(device)},
-        past=moved(IvarPast(spread, m.sum(0), float((lam + ysq).sum()), float(tasks)), device),
+        past=stats_on(IvarPast(spread, m.sum(0), float((lam + ysq).sum()), float(tasks)), device),
     )
 
 

@@ -112,7 +112,7 @@ def as_tasks(estimates, mask=None) -> Tasks:
 S = TypeVar("S")
 
 
-def moved(stats: S, device: torch.device | str) -> S:
+def stats_on(stats: S, device: torch.device | str) -> S:
     """A dataclass of statistics (:class:`TaskGram`, an estimator's past) with its tensors on ``device``:
     the estimators iterate on the host after their pass over the data, where the scalar reads of an
     iteration are free (on a GPU each is a sync), and send their results back where the data are."""
