@@ -200,7 +200,7 @@ def test_copies_whose_benchmark_loss_cannot_be_measured_get_no_weight():
 
 
 def test_a_reference_may_give_its_losses_as_tensors_and_must_give_one_each():
-    """Round.reference may return a number or a one-element tensor (read together with the others: on a
+    """Round.reference may return a number or a one-element real tensor (read together with the others: on a
     GPU one transfer instead of a sync a client); the weights are the same either way. A reference that
     returns several numbers for one update is refused, naming the client, before any weight is formed."""
 
@@ -227,8 +227,11 @@ def test_a_reference_may_give_its_losses_as_tensors_and_must_give_one_each():
     torch.testing.assert_close(weights["as_tensor"], weights["as_float"], rtol=0, atol=0)
     torch.testing.assert_close(weights["mixed"], weights["as_float"], rtol=0, atol=0)
     vectors = Round(**rounds[0], reference=lambda v: v.square() if v[0] > 0.2 else v.sum())
-    with pytest.raises(ValueError, match=r"returned a tensor of shape \(2,\) for client 1; it must return"):
+    with pytest.raises(ValueError, match=r"returned a torch.float64 tensor of shape \(2,\) for client 1; it"):
         rule("focus")(vectors)
+    complex_loss = Round(**rounds[0], reference=lambda v: v.square().sum().to(torch.complex128))
+    with pytest.raises(ValueError, match=r"complex128 tensor of shape \(\) for client 0; it must"):
+        rule("focus")(complex_loss)
 
 
 def test_focus_needs_the_benchmark_split():

@@ -38,10 +38,10 @@ def reference_losses(round: Round) -> torch.Tensor:
     for i, loss in enumerate(losses):
         if not isinstance(loss, torch.Tensor):
             out[i] = float(loss)
-        elif loss.numel() != 1:
+        elif loss.numel() != 1 or loss.is_complex():
             raise ValueError(
-                f"Round.reference returned a tensor of shape {tuple(loss.shape)} for client "
-                f"{round.client_ids[i]!r}; it must return one loss (a number or a one-element tensor)"
+                f"Round.reference returned a {loss.dtype} tensor of shape {tuple(loss.shape)} for client "
+                f"{round.client_ids[i]!r}; it must return one real loss (a number or a one-element tensor)"
             )
         else:
             tensors.append(i)
