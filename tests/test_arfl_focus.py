@@ -11,6 +11,7 @@ from scipy.optimize import minimize
 
 from fedtrust import Round, rule
 from fedtrust.aggregators.arfl import arfl_objective, arfl_weights
+from fedtrust.aggregators.loss_defences import reference_losses
 from fedtrust.sweeps.config import validate
 from fedtrust.sweeps.runner import build_simulation
 
@@ -226,6 +227,11 @@ def test_a_reference_may_give_its_losses_as_tensors_and_must_give_one_each():
     assert 0 < weights["as_float"].min() and not torch.allclose(weights["as_float"], by_counts)
     torch.testing.assert_close(weights["as_tensor"], weights["as_float"], rtol=0, atol=0)
     torch.testing.assert_close(weights["mixed"], weights["as_float"], rtol=0, atol=0)
+    # losses of several dtypes are each read exactly, as float() read them (stacked together, 2049 in
+    # int64 beside a float16 loss became 2048.0 and 16777217 became inf)
+    exact = [torch.tensor(2049), torch.tensor(0.5, dtype=torch.float16), torch.tensor(16777217)]
+    ref = Round(updates=x, reference=lambda v: exact[int(torch.nonzero((x == v).all(1))[0])])
+    assert reference_losses(ref).tolist() == [2049.0, 0.5, 16777217.0]
     vectors = Round(**rounds[0], reference=lambda v: v.square() if v[0] > 0.2 else v.sum())
     with pytest.raises(ValueError, match=r"returned a torch.float64 tensor of shape \(2,\) for client 1; it"):
         rule("focus")(vectors)

@@ -126,33 +126,46 @@ def test_a_device_trains_every_client_at_once_where_the_cpu_groups_them(monkeypa
 
 
 def test_a_group_the_memory_cannot_hold_is_trained_again_in_halves(monkeypatch):
-    """An OutOfMemoryError in a group's steps retrains that group in halves, with the updates of an
-    undisturbed call (a group's steps depend on the start and its step plan alone), and later calls on
-    that device, model and batch width start from the size that fitted; one client that cannot fit
-    raises."""
-    monkeypatch.setattr(executor, "_FITS", {})
+    """A group whose steps run out of memory (CUDA's OutOfMemoryError, or the RuntimeError of MPS or the
+    CPU's allocator) is trained again in halves of its own width, with the updates of an undisturbed
+    call to float rounding (a group's steps depend on the start and its step plan alone); the next call
+    starts whole again (a transient shortage leaves no trace), one client that cannot fit raises, and
+    an error that is not about memory is not retried."""
     model = build_model("mlp", DIGITS, hidden=[16, 8])
     start, data = model.init(1), clients(DIGITS, [13, 40, 7, 0, 25, 9, 11])
     gens = lambda: [torch.Generator().manual_seed(10 + k) for k in range(len(data))]  # noqa: E731
     whole = batched_local_sgd(model, start, data, 2, 8, 0.05, 1e-3, gens())
     steps, tried = executor._sgd_steps, []
 
-    def holds(limit):
+    cuda = torch.OutOfMemoryError("emulated: CUDA out of memory")
+
+    def holds(fits, error=cuda):
         def sgd_steps(model, start, stacked, index, *rest):
             tried.append(len(index))
-            if len(index) > limit:
-                raise torch.OutOfMemoryError("emulated: the group does not fit")
+            if not fits(len(index)):
+                raise error
             return steps(model, start, stacked, index, *rest)
 
+        tried.clear()
         monkeypatch.setattr(executor, "_sgd_steps", sgd_steps)
 
-    holds(2)
-    halved = batched_local_sgd(model, start, data, 2, 8, 0.05, 1e-3, gens())
-    assert tried == [7, 4, 2, 2, 2, 1]  # 7 -> 4 -> 2 clients a group: 2 + 2 + 2 + 1
-    torch.testing.assert_close(halved, whole, rtol=1e-5, atol=1e-7)
-    tried.clear()
+    cpu_allocator = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes")
+    for error in (cuda, cpu_allocator):
+        holds(lambda width: width <= 2, error)
+        halved = batched_local_sgd(model, start, data, 2, 8, 0.05, 1e-3, gens())
+        assert tried == [7, 4, 2, 2, 2, 1]  # 7 -> 4 -> 2 clients a group: 2 + 2 + 2 + 1
+        torch.testing.assert_close(halved, whole, rtol=1e-5, atol=1e-7)
+    holds(lambda width: True)
     batched_local_sgd(model, start, data, 2, 8, 0.05, 1e-3, gens())
-    assert tried == [2, 2, 2, 1]  # learnt: no failing group first
-    holds(0)
+    assert tried == [7]  # whole again
+    monkeypatch.setattr(executor, "group_size", lambda *_: 3)
+    holds(lambda width: width != 2)  # 5 clients in groups of 3 + 2: the short last group fails
+    batched_local_sgd(model, start, data[:5], 2, 8, 0.05, 1e-3, gens()[:5])
+    assert tried == [3, 2, 1, 1]  # halved from 2, not from 3
+    holds(lambda width: False)
     with pytest.raises(torch.OutOfMemoryError):
         batched_local_sgd(model, start, data, 2, 8, 0.05, 1e-3, gens())
+    holds(lambda width: width <= 2, RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        batched_local_sgd(model, start, data, 2, 8, 0.05, 1e-3, gens())
+    assert tried == [3]

@@ -47,7 +47,11 @@ def reference_losses(round: Round) -> torch.Tensor:
             tensors.append(i)
     if tensors:
         device = losses[tensors[0]].device
-        read = torch.stack([losses[i].detach().reshape(()).to(device) for i in tensors])
+        # stacked in their dtype when they share one (a model's float32 losses, exact in float64 after),
+        # else each in float64 (stacking promotes int64 and float16 to float32 together, which rounds)
+        dtypes = {losses[i].dtype for i in tensors}
+        common = dtypes.pop() if len(dtypes) == 1 else torch.float64
+        read = torch.stack([losses[i].detach().reshape(()).to(device, common) for i in tensors])
         out[tensors] = read.to("cpu", torch.float64)
     return out
 

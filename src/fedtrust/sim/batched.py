@@ -98,29 +98,30 @@ def batched_local_sgd(
     """(m, d): each client's vector after ``epochs`` of mini-batch SGD from ``start`` (as local_sgd).
 
     Clients train in groups (:func:`group_size`), one group after another (all of a group's steps at
-    once). A group the device's memory cannot hold (``torch.OutOfMemoryError``) is trained again in
-    halves: its steps are a function of ``start`` and its step plan alone, drawn before any group trains."""
+    once). A group the device's memory cannot hold (:func:`out_of_memory`) is trained again in halves, in
+    this call only: its steps are a function of ``start`` and its step plan alone, drawn before any group
+    trains, so the updates are the same to float rounding (a batched kernel's sums may round otherwise
+    at another width)."""
     stacked = Stacked.of(data)
     steps = [[rows for _ in range(epochs) for rows in batches(n, batch_size, g)]
              for n, g in zip(stacked.sizes.tolist(), generators, strict=True)]  # fmt: skip
     index, mask = (t.to(start.device) for t in _step_plan(stacked, steps, batch_size))
     clients = len(stacked)
-    key = (start.device, start.dtype, model.size, index.shape[2])
-    size = min(group_size(clients, model.size * start.element_size(), start.device), _FITS.get(key, clients))
+    size = group_size(clients, model.size * start.element_size(), start.device)
     out = torch.empty(clients, model.size, dtype=start.dtype, device=start.device)
     lo = 0
     while lo < clients:
-        part, fits = slice(lo, lo + size), True
+        part, fits = slice(lo, min(clients, lo + size)), True
         try:
             out[part] = _sgd_steps(model, start, stacked, index[part], mask[part], lr, weight_decay)
-        except torch.OutOfMemoryError:
-            if size == 1:
+        except RuntimeError as exc:
+            if not out_of_memory(exc) or part.stop - part.start == 1:
                 raise
-            fits = False  # (retried outside the handler, which holds the failed group's tensors)
+            fits = False  # (retried after the handler, which holds the failed group's tensors)
         if fits:
-            lo += size
+            lo = part.stop
         else:
-            size = _FITS[key] = (size + 1) // 2
+            size = (part.stop - part.start + 1) // 2
     return out
 
 
@@ -129,9 +130,16 @@ def batched_local_sgd(
 #: 32 MiB): Fashion-MNIST MLP (159K parameters, 100 clients) trains 2x faster in two groups of 50 than in one.
 GROUP_BYTES = 1 << 25
 
-#: (device, dtype, model size, batch width) -> the most clients whose group that device's memory held,
-#: learnt from an OutOfMemoryError, so that later rounds do not fail first
-_FITS: dict[tuple, int] = {}
+
+#: How torch's allocators other than CUDA's say an allocation failed, in a plain RuntimeError (MPS; the
+#: CPU's "DefaultCPUAllocator: can't allocate memory" or "not enough memory")
+_NO_MEMORY = ("out of memory", "not enough memory", "can't allocate memory")
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether an allocation failed: ``torch.OutOfMemoryError`` (CUDA, XPU), or a RuntimeError that says
+    so (:data:`_NO_MEMORY`)."""
+    return isinstance(exc, torch.OutOfMemoryError) or any(words in str(exc) for words in _NO_MEMORY)
 
 
 def group_size(clients: int, model_bytes: int, device: torch.device) -> int:
