@@ -159,16 +159,20 @@ class FlatModel:
     def evaluate(
         self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch: int = 4096
     ) -> dict[str, float]:
-        """accuracy + loss (classification) or rmse + mse (regression) over (x, y), in eval mode."""
-        total, correct, count = 0.0, 0, 0
+        """accuracy + loss (classification) or rmse + mse (regression) over (x, y), in eval mode. The
+        batches' sums are added in float64 where they are computed and read once (on a GPU a read is a
+        sync: two a batch before)."""
+        sums = torch.zeros(2, dtype=torch.float64, device=flat.device)  # loss, correct
+        count = 0
         for xb, yb in zip(x.split(batch), y.split(batch), strict=True):
             out = self.forward(flat, xb)
             if self.task == "classification":
-                total += float(nn.functional.cross_entropy(out, yb, reduction="sum"))
-                correct += int((out.argmax(1) == yb).sum())
+                sums[0] += nn.functional.cross_entropy(out, yb, reduction="sum").double()
+                sums[1] += (out.argmax(1) == yb).sum()
             else:
-                total += float(((out.reshape(-1) - yb) ** 2).sum())
+                sums[0] += ((out.reshape(-1) - yb) ** 2).sum().double()
             count += len(yb)
+        total, correct = sums.tolist()
         if self.task == "classification":
             return {"accuracy": correct / count, "loss": total / count}
         return {"rmse": (total / count) ** 0.5, "mse": total / count}
