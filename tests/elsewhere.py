@@ -12,6 +12,9 @@ build has). Under :func:`elsewhere` every torch operation is checked as a GPU wo
 - every other operation on the device that computes (not a view, an allocation or a transfer) is a
   kernel a GPU would launch, and is counted (:attr:`Host.launches`): at a small round a GPU's time is
   its launches and syncs, not its reads of memory;
+- CPU tensors copied to the device (``.to(x.device)``, ``copy_``, a CPU index tensor indexing a device
+  tensor) are counted (:attr:`Host.uploads`): on CUDA such a copy from pageable memory waits for the
+  kernels already queued, as a sync does;
 - ``.numpy()`` fails, as on CUDA.
 
 Results are computed on the CPU with the same kernels, so a rule's output on this device can be
@@ -125,6 +128,9 @@ class Host:
 
     syncs: int = 0  # scalars read (.item(), .tolist(), bool(t), float(t), ...)
     transfers: int = 0  # tensors copied to the CPU
+    #: CPU tensors copied to the device (``.to(device)``, ``copy_``, a CPU index into a device tensor): on
+    #: CUDA a copy from pageable memory waits for the kernels already queued, as a sync does
+    uploads: int = 0
     kernels: Counter = field(default_factory=Counter)  # kernels the device ran, by operation name
     host_ops: int = 0  # operations that compute on CPU tensors (a rule's arithmetic on n numbers)
 
@@ -132,6 +138,18 @@ class Host:
     def launches(self) -> int:
         """Kernels the device ran (operations that compute there: not views or allocations)."""
         return sum(self.kernels.values())
+
+
+def _uploads(func, args, wants_here: bool) -> int:
+    """CPU tensors an operation copies to the device: the source of a ``.to(device)`` or of a ``copy_``
+    into a device tensor, and the CPU index tensors of an indexing operation."""
+    if func is _aten._to_copy.default:
+        return int(wants_here and not isinstance(args[0], Elsewhere))
+    if func is _aten.copy_.default:
+        return int(isinstance(args[0], Elsewhere) and not isinstance(args[1], Elsewhere))
+    if func in _INDEXING:
+        return sum(isinstance(i, torch.Tensor) and not isinstance(i, Elsewhere) for i in _leaves(args[1:2]))
+    return 0
 
 
 class _Mode(TorchDispatchMode):
@@ -153,6 +171,7 @@ class _Mode(TorchDispatchMode):
         lost = [a for a in flat if not isinstance(a, Elsewhere) and a.device.type == DEVICE.type]
         if lost:  # made on the device below the dispatcher: its values are gone (see Elsewhere.__getitem__)
             raise RuntimeError(f"{func}: a tensor made on the emulated device without its values reached it")
+        self.host.uploads += _uploads(func, args, wants_here)
         if func in _SYNCS:
             self.host.syncs += 1
             return func(*on_host(args), **on_host(kwargs))

@@ -10,12 +10,17 @@ import torch
 from fedtrust.models import FlatModel
 
 
-def batches(n: int, batch_size: int, g: torch.Generator) -> list[torch.Tensor]:
-    """One epoch's mini-batches: a random permutation cut into batch_size pieces (the last may be short);
-    none for a client without data."""
+def batches(
+    n: int, batch_size: int, g: torch.Generator, device: torch.device | None = None
+) -> list[torch.Tensor]:
+    """One epoch's mini-batches: a random permutation (drawn on the CPU, from ``g``) cut into batch_size
+    pieces (the last may be short); none for a client without data. ``device``: where the pieces index,
+    the permutation moved there once (on CUDA indexing with a CPU index is a copy each, which waits for the
+    queued kernels)."""
     if n == 0:
         return []
-    return list(torch.randperm(n, generator=g).split(batch_size))
+    order = torch.randperm(n, generator=g)
+    return list((order if device is None else order.to(device)).split(batch_size))
 
 
 def local_sgd(
@@ -34,7 +39,7 @@ def local_sgd(
     step's forward updates them from its batch and the new point carries them."""
     w = start.detach().clone()
     for _ in range(epochs):
-        for rows in batches(len(y), batch_size, g):
+        for rows in batches(len(y), batch_size, g, x.device):
             w.requires_grad_(True)
             loss, buffers = model.training_loss(w, x[rows], y[rows])
             (grad,) = torch.autograd.grad(loss, w)
