@@ -13,6 +13,9 @@ device, every torch operation checked as CUDA would check it), and counts
 
 - **launches**: operations on the device that compute (not views, allocations or transfers);
 - **syncs**: scalars read from the device; **transfers**: tensors copied to the host;
+- **uploads**: CPU tensors copied to the device (weights a pass hands back, a CPU index): on CUDA a copy
+  from pageable memory waits for the kernels queued before it, as a sync does (though right after a
+  transfer, with nothing queued, it costs little more than the copy);
 - **host ops**: torch operations on CPU tensors (a rule's arithmetic on n numbers after a transfer).
 
 The counts are the same on every machine (no timing). They hold for one column block, the device's
@@ -50,13 +53,14 @@ def count(name: str, options: dict, r: Round) -> dict:
             metrics=dict(r.metrics),
             reference=r.reference,
         )
-        made = Counter(host.kernels), host.host_ops  # placing the round (none, as it is)
+        made = Counter(host.kernels), host.host_ops, host.uploads  # placing the round (none, as it is)
         rule(name, **options)(there)
     kernels = host.kernels - made[0]
     return {
         "launches": sum(kernels.values()),
         "syncs": host.syncs,
         "transfers": host.transfers,
+        "uploads": host.uploads - made[2],
         "host_ops": host.host_ops - made[1],
         "kernels": dict(kernels.most_common()),
     }
@@ -88,7 +92,8 @@ def main() -> None:
             row = {"rule": name, "n": n, **count(name, options_for(name, n, f), r)}
             rows.append(row)
             print(f"n={n:4d} {name:20s} launches {row['launches']:5d} syncs {row['syncs']:3d} transfers "
-                  f"{row['transfers']:3d} host ops {row['host_ops']:6d}", flush=True)  # fmt: skip
+                  f"{row['transfers']:3d} uploads {row['uploads']:3d} host ops {row['host_ops']:6d}",
+                  flush=True)  # fmt: skip
             if args.kernels:
                 print("      ", ", ".join(f"{k} {v}" for k, v in row["kernels"].items()))
     if args.out is None:
@@ -106,12 +111,17 @@ def main() -> None:
         "column block; `launches.py`'s docstring says what is counted). Options as in `gpu.py`'s "
         "*ms* column (`aggregation.py`'s f = n/5).",
         "",
-        "| rule | " + " | ".join(f"n = {n}: launches / syncs / transfers / host ops" for n in args.n) + " |",
+        "| rule | "
+        + " | ".join(f"n = {n}: launches / syncs / transfers / uploads / host ops" for n in args.n)
+        + " |",
         "|---|" + "---:|" * len(args.n),
     ]
     for name in args.rules:
         cells = [next(r for r in rows if r["rule"] == name and r["n"] == n) for n in args.n]
-        counts = [f"{c['launches']} / {c['syncs']} / {c['transfers']} / {c['host_ops']}" for c in cells]
+        counts = [
+            f"{c['launches']} / {c['syncs']} / {c['transfers']} / {c['uploads']} / {c['host_ops']}"
+            for c in cells
+        ]
         lines.append(f"| {name} | " + " | ".join(counts) + " |")
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out.with_suffix('.md')} and .json")
