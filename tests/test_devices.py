@@ -357,26 +357,29 @@ def test_simulation_runs_on_the_device(rule_name, corruption, executor, model):
         assert got["weights"] == pytest.approx(want["weights"], abs=1e-3)
 
 
+def second_round_on_the_device(executor: str, rule_name: str, clients: int = 6, **train):
+    """What round 2 of a digits federation on the device asked of the host (round 1 sets it up)."""
+    from fedtrust.sweeps.config import validate
+    from fedtrust.sweeps.runner import build_simulation
+
+    cfg = validate({"name": "host", "seed": 1,
+                    "data": {"name": "digits", "clients": clients, "benchmark": 0.05},
+                    "train": {"rounds": 2, "executor": executor, **train}, "rule": {"name": rule_name}})  # fmt: skip
+    with elsewhere():
+        sim = build_simulation(cfg, device=DEVICE)
+        sim.step(1)
+    with elsewhere() as host:
+        sim.step(2)
+    return host
+
+
 @pytest.mark.parametrize("executor", ["loop", "batched"])
 def test_a_simulated_round_reads_as_many_device_scalars_whatever_its_clients(executor):
     """A round's reads from the device (each a GPU sync) do not grow with its clients: their reported
     losses are written where they are computed, and FOCUS's benchmark losses come back together (the
     per-client loop read each client's loss, and FOCUS each benchmark loss, one sync at a time)."""
-    from fedtrust.sweeps.config import validate
-    from fedtrust.sweeps.runner import build_simulation
-
-    reads = []
-    for clients in (6, 12):
-        cfg = validate({"name": "reads", "seed": 1,
-                        "data": {"name": "digits", "clients": clients, "benchmark": 0.05},
-                        "train": {"rounds": 2, "executor": executor, "report_loss": "always"},
-                        "rule": {"name": "focus"}})  # fmt: skip
-        with elsewhere():
-            sim = build_simulation(cfg, device=DEVICE)
-            sim.step(1)
-        with elsewhere() as host:
-            sim.step(2)
-        reads.append((host.syncs, host.transfers))
+    rounds = [second_round_on_the_device(executor, "focus", n, report_loss="always") for n in (6, 12)]
+    reads = [(host.syncs, host.transfers) for host in rounds]
     assert reads[0] == reads[1], reads
 
 
@@ -385,20 +388,7 @@ def test_a_simulated_round_copies_as_much_to_the_device_whatever_its_steps(execu
     """Local steps do not copy to the device one by one (on CUDA each such copy waits for the kernels
     queued before it): the per-client loop moves each epoch's order of its client's rows once, where it
     indexed the rows with a CPU index every step (86 copies a 6-client round at batch size 32)."""
-    from fedtrust.sweeps.config import validate
-    from fedtrust.sweeps.runner import build_simulation
-
-    uploads = []
-    for batch_size in (8, 64):
-        cfg = validate({"name": "uploads", "seed": 1, "data": {"name": "digits", "clients": 6},
-                        "train": {"rounds": 2, "executor": executor, "batch_size": batch_size},
-                        "rule": {"name": "fedavg"}})  # fmt: skip
-        with elsewhere():
-            sim = build_simulation(cfg, device=DEVICE)
-            sim.step(1)
-        with elsewhere() as host:
-            sim.step(2)
-        uploads.append(host.uploads)
+    uploads = [second_round_on_the_device(executor, "fedavg", batch_size=b).uploads for b in (8, 64)]
     assert uploads[0] == uploads[1] <= 6 + 4, uploads  # one a client, and the round's own
 
 
