@@ -357,6 +357,22 @@ def test_simulation_runs_on_the_device(rule_name, corruption, executor, model):
         assert got["weights"] == pytest.approx(want["weights"], abs=1e-3)
 
 
+def test_an_evaluation_reads_the_device_once_whatever_its_batches():
+    """FlatModel.evaluate adds its batches' sums where they are computed and reads them once (it read
+    two a batch), with the CPU's numbers to the bit."""
+    from fedtrust.data import load_digits
+    from fedtrust.models import build_model
+
+    digits = load_digits()
+    model = build_model("mlp", digits, hidden=[16])
+    w, x, y = model.init(0), digits.x_train, digits.y_train
+    for batch in (100, 4096):  # 14 batches and 1
+        with elsewhere() as host:
+            scores = model.evaluate(to_elsewhere(w), to_elsewhere(x), to_elsewhere(y), batch=batch)
+        assert host.syncs + host.transfers == 1
+        assert scores == model.evaluate(w, x, y, batch=batch)
+
+
 def second_round_on_the_device(executor: str, rule_name: str, clients: int = 6, **train):
     """What round 2 of a digits federation on the device asked of the host (round 1 sets it up)."""
     from fedtrust.sweeps.config import validate
