@@ -47,8 +47,9 @@ def reference_losses(round: Round) -> torch.Tensor:
             tensors.append(i)
     if tensors:
         device = losses[tensors[0]].device
-        # stacked in their dtype when they share one (a model's float32 losses, exact in float64 after),
-        # else each in float64 (stacking promotes int64 and float16 to float32 together, which rounds)
+        # stacked in their dtype when they share one (a model's float32 losses, exact in float64 after;
+        # and MPS has no float64), else each in float64 (stacking promotes int64 and float16 to float32
+        # together, which rounds). passes.moved would do the same: it moves in the common dtype.
         dtypes = {losses[i].dtype for i in tensors}
         common = dtypes.pop() if len(dtypes) == 1 else torch.float64
         read = torch.stack([losses[i].detach().reshape(()).to(device, common) for i in tensors])
