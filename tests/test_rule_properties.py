@@ -280,6 +280,33 @@ def test_robust_rules_stay_near_the_honest_mean_under_huge_outliers(name, seed, 
         assert mean_error > 100 * spread
 
 
+@pytest.mark.parametrize("name", ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("magnitude", [1e3, 1e9, 1e12])
+@pytest.mark.parametrize("honest_before", [0, 2])
+def test_a_far_update_puts_nothing_into_the_trust_estimators_consensus(name, dtype, magnitude, honest_before):
+    """Inverse-variance weighting gives a source at distance D a weight ~1/D^2, so its pull on the
+    consensus, weight x D, vanishes as D grows: one client sending magnitude x (+-1) in every coordinate
+    beside four honest ones (signal 0.1, noise 0.01 per coordinate) leaves the consensus where the honest
+    clients put it (within their spread), on its first round or after rounds of looking honest. (Before the fix the default
+    rules stopped with that weight at 1e-11 to 5e-12, from the plain mean's start, a jitter or a floor
+    scaled by the mean noise: at 1e12 per coordinate 5-16 per coordinate in the consensus.)"""
+    g = torch.Generator().manual_seed(1)
+    n, d = 5, 650
+    r = rule(name)
+    for t in range(honest_before + 1):
+        signal = 0.1 * torch.randn(d, generator=g, dtype=torch.float64)
+        x = signal + 0.01 * torch.randn(n, d, generator=g, dtype=torch.float64)
+        if t == honest_before:
+            x[4] = magnitude * torch.randn(d, generator=g, dtype=torch.float64).sign()
+        out = r(Round(updates=x.to(dtype), client_ids=[f"c{i}" for i in range(n)]))
+    honest = x[:4].mean(0)
+    spread = (x[:4] - honest).norm(dim=1).max()  # (ICOV may weigh the honest clients unequally)
+    error = (out.vector.double() - honest).norm()
+    assert error < spread, f"consensus {float(error / spread):.3g} honest spreads from the honest mean"
+    assert float(out.weights[4]) * magnitude < 1e-6
+
+
 @given(seed=seeds)
 def test_centered_clipping_moves_at_most_tau_per_iteration(seed):
     """Clipped steps bound each outlier's pull: ||v_new - v|| <= tau, whatever the outliers send."""

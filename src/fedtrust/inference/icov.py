@@ -19,7 +19,15 @@ import torch
 from fedtrust._checks import check_bool, check_int, resolve_tol
 from fedtrust.inference.accelerate import Step, one_thread, squarem
 from fedtrust.inference.result import InferenceResult, WeightChanges, converged
-from fedtrust.inference.tasks import TaskGram, as_tasks, mean_noise, stats_on, weighted_sums
+from fedtrust.inference.tasks import (
+    TaskGram,
+    as_tasks,
+    mean_noise,
+    not_below_centre,
+    stats_on,
+    typical,
+    weighted_sums,
+)
 
 LOG2PI = math.log(2 * math.pi)
 
@@ -286,7 +294,10 @@ def icov_mle(
     # same weights. The data stay where they are; the weights go back there.
     host = torch.device("cpu")
     on = {"dtype": torch.float64, "device": host}
-    noise = torch.as_tensor(init["noise"] if "noise" in init else mean_noise(t, gram), **on).clone()
+    if "noise" in init:
+        noise = not_below_centre(torch.as_tensor(init["noise"], **on), t, gram).clone()
+    else:
+        noise = mean_noise(t, gram).to(**on)
     v = torch.as_tensor(init["V"], **on).clone() if "V" in init else latent_init(keys, latent_dim, seed)
     sigma_u2 = float(init.get("sigma_u2", 0.1 * float(noise.median())))
     theta = {
@@ -339,12 +350,16 @@ def _centred(theta: dict) -> dict:
 
 
 def _phi(theta) -> torch.Tensor:
-    """sigma_u^2 V V' + diag(sigma_j^2), plus a jitter of 1e-10 of its mean diagonal so that it stays
-    numerically positive definite however small a sigma_j^2 gets (e.g. warm-started from a collapse)."""
+    """sigma_u^2 V V' + diag(sigma_j^2), plus a jitter of 1e-10 of its typical diagonal so that it stays
+    numerically positive definite however small a sigma_j^2 gets (e.g. warm-started from a collapse).
+    The median where one far source drags the mean (:func:`~fedtrust.inference.tasks.typical`): a source
+    of variance 1e24 beside four of 1e-4 made the mean's jitter 2e13, every other source's variance in
+    effect, which held the far source's weight at 5e-12 however far it was (an update of 1e12 per
+    coordinate put 5 per coordinate into the consensus)."""
     v = theta["V"]
     phi = theta["log_su2"].exp() * v @ v.T + torch.diag(theta["log_noise"].exp())
     eye = torch.eye(len(phi), dtype=phi.dtype, device=phi.device)
-    return phi + 1e-10 * phi.diagonal().mean().detach() * eye
+    return phi + 1e-10 * typical(phi.diagonal().detach()) * eye
 
 
 def _gradient(theta, g):
@@ -450,10 +465,13 @@ class _VbState:
 
     @staticmethod
     def floored(su2: float, sv2: torch.Tensor, s2: torch.Tensor) -> tuple[float, torch.Tensor]:
-        """Eqs 21-22's sigma_u^2 and sigma_v^2 (D,), floored at 1e-12 (sigma_v^2: of the mean noise): where
-        the data have no shared error the factors are pruned towards 0, and unfloored they underflow until
-        eq 19's 1 / sigma_v^2 overflows to NaN (seen at 50% missing entries)."""
-        return max(su2, 1e-12), sv2.clamp_min(1e-12 * float(s2.mean()))
+        """Eqs 21-22's sigma_u^2 and sigma_v^2 (D,), floored at 1e-12 (sigma_v^2: of the typical noise):
+        where the data have no shared error the factors are pruned towards 0, and unfloored they underflow
+        until eq 19's 1 / sigma_v^2 overflows to NaN (seen at 50% missing entries). The typical noise is the
+        mean noise, or the median where one far source drags the mean (:func:`~fedtrust.inference.tasks.
+        typical`): a source of variance 1e24 beside four of 1e-4 held the factors at 1e12 by the mean, and
+        through them its own weight at 3e-14 (0.03 per coordinate in the consensus at 1e12)."""
+        return max(su2, 1e-12), sv2.clamp_min(1e-12 * typical(s2))
 
     def pack(self, coef_u, v, psi, s2, sy2, su2, sv2) -> torch.Tensor:
         chol = torch.linalg.cholesky(psi)
@@ -612,7 +630,7 @@ class _VbSweep:
         on = {"dtype": torch.float64, "device": m.device}
         if "noise" in init:
             given = torch.as_tensor(init["noise"], **on).clone()
-            start = torch.where(torch.isnan(given), start, given)
+            start = not_below_centre(torch.where(torch.isnan(given), start, given), None, self.gram, start)
         s2 = start if self.noise == "per_source" else torch.full_like(start, float(start.mean()))
         plain_sq = float(self.gram.sq_norm(m / m.sum(1, keepdim=True)).sum()) / (tasks * k)
         sy2 = float(init.get("sigma_y2", plain_sq + float(s2.mean())))

@@ -16,7 +16,15 @@ import torch
 from fedtrust._checks import check_float, check_int, resolve_tol
 from fedtrust.inference.accelerate import Step, squarem
 from fedtrust.inference.result import InferenceResult, WeightChanges, converged
-from fedtrust.inference.tasks import TaskGram, TaskPasses, as_tasks, mean_noise, stats_on, weighted_sums
+from fedtrust.inference.tasks import (
+    TaskGram,
+    TaskPasses,
+    as_tasks,
+    mean_noise,
+    not_below_centre,
+    stats_on,
+    weighted_sums,
+)
 
 LOG2PI = math.log(2 * math.pi)
 
@@ -46,8 +54,10 @@ DIRECT_MIN_SOURCES = 12
 
 
 def start_noise(t, init_noise, gram: TaskGram | TaskPasses | None = None) -> torch.Tensor:
-    """Starting sigma_j^2: ``init_noise`` where given (NaN = unknown), else the distance to the plain mean.
-    Given, it is checked on the host and returned there (the iterations run there)."""
+    """Starting sigma_j^2: ``init_noise`` where given (NaN = unknown; at least the distance to a robust
+    centre: :func:`~fedtrust.inference.tasks.not_below_centre`), else the distance to the centre
+    (:func:`~fedtrust.inference.tasks.mean_noise`). Given, it is checked on the host and returned there
+    (the iterations run there)."""
     if init_noise is None:
         return mean_noise(t, gram)
     given = torch.as_tensor(init_noise, dtype=torch.float64).to("cpu", copy=True).reshape(-1)
@@ -59,9 +69,10 @@ def start_noise(t, init_noise, gram: TaskGram | TaskPasses | None = None) -> tor
         bad = int(torch.nonzero(~valid)[0])
         raise ValueError(f"init_noise[{bad}] = {float(given[bad])!r}: a starting variance is > 0 and finite "
                          "(NaN: unknown)")  # fmt: skip
-    if unknown.any():
-        given[unknown] = mean_noise(t, gram).to(given.device)[unknown]
-    return given
+    centre = mean_noise(t, gram).to(given.device) if unknown.any() else None
+    if centre is not None:
+        given[unknown] = centre[unknown]
+    return not_below_centre(given, t, gram, centre)
 
 
 def ivar_mle(

@@ -142,6 +142,9 @@ class TaskGram:
     centred: torch.Tensor
     cross: torch.Tensor
     mean_sq: torch.Tensor
+    #: Whether the centre is a robust location of the sources (:meth:`of_moments`), which no outlier drags:
+    #: each source's distance to it is then its starting noise (:func:`mean_noise`)
+    robust: bool = False
 
     #: A residual below this fraction of the terms it is formed from (:meth:`unresolved`) is not resolved
     #: by the Gram's float32 products, as in :class:`~fedtrust.aggregators.passes.CombinationPasses`.
@@ -178,8 +181,9 @@ class TaskGram:
     @staticmethod
     def of_moments(moments: Moments) -> TaskGram:
         """One task's statistics from the :class:`~fedtrust.aggregators.distances.Moments` of its estimates
-        about a centre (every source present)."""
-        return TaskGram(moments.gram[None], moments.cross[None], moments.centre_sq.reshape(1))
+        about a robust centre (every source present): an aggregation rule's grouping takes them about the
+        round's coordinate-wise median (:func:`~fedtrust.aggregators.sybils.correlated_groups`)."""
+        return TaskGram(moments.gram[None], moments.cross[None], moments.centre_sq.reshape(1), robust=True)
 
     def unresolved(self, residuals: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> bool:
         """Whether some present residual (:meth:`residuals` with weights ``w``, summing to 1 per task) is
@@ -265,16 +269,63 @@ def residual_gram(t: Tasks, y: torch.Tensor) -> torch.Tensor:
     return s
 
 
+#: A typical value dragged beyond this many times its robust counterpart (a mean beyond FAR times the
+#: median; the plain mean's distances beyond FAR times the median's) is one far source's doing, and the
+#: robust one is taken: ordinary rounds keep the plain statistics, and their numbers.
+FAR = 100.0
+
+
+def typical(values: torch.Tensor) -> float:
+    """The mean of ``values``, or their median where a far value drags the mean beyond :data:`FAR` times it
+    (one source of variance 1e24 beside four of 1e-4 puts the mean at 2e23)."""
+    mean, median = float(values.mean()), float(values.median())
+    return median if mean > FAR * median else mean
+
+
 def mean_noise(t: Tasks, gram: TaskGram | TaskPasses | None = None) -> torch.Tensor:
     """(J,) float64: each source's mean squared distance (per coordinate) to the plain per-task mean, a
-    starting point for the noise variances (sources with no data get 1; zeros are floored)."""
+    starting point for the noise variances (sources with no data get 1; zeros are floored); to the
+    statistics' own centre instead where that is robust (:attr:`TaskGram.robust`: an aggregation rule's
+    coordinate-wise median) and the plain mean's typical distance is :data:`FAR` times the median's or
+    more. One update of 1e9 per coordinate among four of 0.1 drags the plain mean, and with it every
+    source's distance, to 2e8 per coordinate; the iterations then brought the honest variances down a
+    few-fold at a time, the far weight with them, and stopped with it far from its end (IVAR-VB in
+    float32: at 1.6e-11, its consensus 0.25 of the signal's norm from the honest mean; at 1e12 per
+    coordinate, 16 per coordinate from the far source). From the median the far source starts with about
+    the weight it ends with."""
     m = t.m
     if gram is None:
         r = residual_sq(t, weighted_sums(t, m / m.sum(1, keepdim=True))) / t.shape[2]
     else:
         r = gram.residuals(m / m.sum(1, keepdim=True), m) / t.shape[2]
+    noise = _per_source(r, m)
+    if isinstance(gram, TaskGram) and gram.robust:
+        robust = _per_source(gram.centred.diagonal(dim1=1, dim2=2) * m.to(gram.centred) / t.shape[2], m)
+        if float(noise.median()) > FAR * float(robust.median()):  # the plain mean dragged by a far source
+            return robust
+    return noise
+
+
+def _per_source(r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """(J,): each source's mean of its (I, J) squared distances ``r`` over the tasks it reports on (1 for a
+    source with none), zeros floored at 1e-3 of the smallest positive one."""
     m = m.to(r.device)  # (where the statistics are: the host, for moved or host-returning ones)
     count = m.sum(0)
     noise = torch.where(count > 0, r.sum(0) / count.clamp_min(1), torch.ones_like(count))
     positive = noise[noise > 0]
     return noise.clamp_min((float(positive.min()) if len(positive) else 1.0) * 1e-3)
+
+
+def not_below_centre(
+    noise: torch.Tensor, t: Tasks, gram: TaskGram | TaskPasses | None, centre: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Starting variances ``noise`` (J,), known from earlier rounds, each replaced by the source's distance
+    to the centre (:func:`mean_noise`'s, or ``centre`` when taken already) where the statistics have a
+    robust centre (:attr:`TaskGram.robust`) and the source is :data:`FAR` times as far as its past says:
+    a client that sent updates like the others' and now sends one 1e12 away would otherwise start with
+    the weight of its past, which the iterations took down only a few-fold at a time (IVAR-VB in float32
+    stopped with its consensus 0.20 of the signal's norm from the honest mean)."""
+    if isinstance(gram, TaskGram) and gram.robust:
+        centre = (mean_noise(t, gram) if centre is None else centre).to(noise)
+        return torch.where(centre > FAR * noise, centre, noise)
+    return noise
