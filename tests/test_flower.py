@@ -645,3 +645,24 @@ def test_initial_arrays_that_are_not_an_array_record_are_refused_as_the_servers_
     with pytest.raises(TypeError, match=r"initial_arrays must be a flwr.app.ArrayRecord .*got dict"):
         TrustStrategy(rule="median").start(grid=grid, initial_arrays=dict(model().state_dict()), num_rounds=1)
     assert sent == []
+
+
+@pytest.mark.parametrize(
+    ("arrays", "says"),
+    [
+        (lambda a: ArrayRecord({k: Array(np.full_like(v.numpy(), np.nan)) for k, v in a.items()}),
+         r"initial_arrays\['weight'\] holds 640 NaN and 0 Inf of 640 values"),
+        (lambda a: ArrayRecord(), r"initial_arrays holds no floating-point values to train \(arrays: none\)"),
+        (lambda a: ArrayRecord({"step": Array(np.zeros(3, np.int64))}), r"no floating-point values .*\['step'\]"),
+    ],
+)  # fmt: skip
+def test_a_starting_model_with_nothing_finite_to_train_is_refused_as_the_servers_mistake(arrays, says):
+    """A NaN starting model made every node's update non-finite, and the nodes were quarantined for it
+    round after round; an empty one trained nothing. Refused before any node is messaged, naming the array."""
+    grid = federation()
+    sent = []
+    send = grid.send_and_receive
+    grid.send_and_receive = lambda messages, timeout=None: send(sent.extend(messages) or messages, timeout)
+    with pytest.raises(ValueError, match=says):
+        TrustStrategy(rule="median").start(grid=grid, initial_arrays=arrays(initial()), num_rounds=1)
+    assert sent == []

@@ -41,6 +41,22 @@ class ArrayLayout:
             k: np.array(arrays[k], copy=True) for k, f in zip(self.names, self.floating, strict=True) if not f
         }
 
+    def check_start(self, record: ArrayRecord, what: str) -> None:
+        """Refuse, naming ``what`` and the array, a starting model with nothing to aggregate (no floating
+        array) or a non-finite value: every node's update would then be quarantined as its own fault."""
+        if self.size == 0:
+            raise ValueError(
+                f"{what} holds no floating-point values to train (arrays: {self.names or 'none'})"
+            )
+        for name, floating in zip(self.names, self.floating, strict=True):
+            values = record[name].numpy()
+            if floating and not bool(np.isfinite(values).all()):
+                nan, inf = int(np.isnan(values).sum()), int(np.isinf(values).sum())
+                raise ValueError(
+                    f"{what}[{name!r}] holds {nan} NaN and {inf} Inf of {values.size} values: every node's "
+                    "update would be quarantined as non-finite; start from a finite model"
+                )
+
     def check_model(self, model, what: str) -> None:
         """Refuse, naming ``what`` and the first array that differs, a :class:`fedtrust.models.FlatModel`
         whose vector is not this layout's (a server-side model other than the one the arrays are of)."""

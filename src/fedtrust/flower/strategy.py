@@ -228,6 +228,7 @@ class TrustStrategy(FedAvg):
                 f"ArrayRecord(model.state_dict())), got {type(initial_arrays).__name__}"
             )
         self.layout = ArrayLayout(initial_arrays)
+        self.layout.check_start(initial_arrays, "TrustStrategy.start: initial_arrays")
         if self.model is not None:
             self.layout.check_model(self.model, "TrustStrategy: model=")
         self._begin()
