@@ -69,10 +69,9 @@ def start_noise(t, init_noise, gram: TaskGram | TaskPasses | None = None) -> tor
         bad = int(torch.nonzero(~valid)[0])
         raise ValueError(f"init_noise[{bad}] = {float(given[bad])!r}: a starting variance is > 0 and finite "
                          "(NaN: unknown)")  # fmt: skip
-    centre = mean_noise(t, gram).to(given.device) if unknown.any() else None
-    if centre is not None:
-        given[unknown] = centre[unknown]
-    return not_below_centre(given, t, gram, centre)
+    if unknown.any():
+        given[unknown] = mean_noise(t, gram).to(given.device)[unknown]
+    return not_below_centre(given, t, gram)
 
 
 def ivar_mle(

@@ -270,9 +270,11 @@ def residual_gram(t: Tasks, y: torch.Tensor) -> torch.Tensor:
 
 
 #: A typical value dragged beyond this many times its robust counterpart (a mean beyond FAR times the
-#: median; the plain mean's distances beyond FAR times the median's) is one far source's doing, and the
-#: robust one is taken: ordinary rounds keep the plain statistics, and their numbers.
-FAR = 100.0
+#: median; the plain mean's distances beyond FAR times the median's) is a far source's doing, and the
+#: robust one is taken. Far above what ordinary rounds show (their numbers stay as they were: an ICOV-MLE
+#: fit whose sources collapse passed 100 in the demo's federation), far below what one update 100 times
+#: the others' norm does (1e4 in variance).
+FAR = 1e4
 
 
 def typical(values: torch.Tensor) -> float:
@@ -285,25 +287,33 @@ def typical(values: torch.Tensor) -> float:
 def mean_noise(t: Tasks, gram: TaskGram | TaskPasses | None = None) -> torch.Tensor:
     """(J,) float64: each source's mean squared distance (per coordinate) to the plain per-task mean, a
     starting point for the noise variances (sources with no data get 1; zeros are floored); to the
-    statistics' own centre instead where that is robust (:attr:`TaskGram.robust`: an aggregation rule's
-    coordinate-wise median) and the plain mean's typical distance is :data:`FAR` times the median's or
-    more. One update of 1e9 per coordinate among four of 0.1 drags the plain mean, and with it every
-    source's distance, to 2e8 per coordinate; the iterations then brought the honest variances down a
-    few-fold at a time, the far weight with them, and stopped with it far from its end (IVAR-VB in
-    float32: at 1.6e-11, its consensus 0.25 of the signal's norm from the honest mean; at 1e12 per
-    coordinate, 16 per coordinate from the far source). From the median the far source starts with about
-    the weight it ends with."""
+    statistics' robust centre instead where a far source drags the plain mean (:func:`dragged`). One
+    update of 1e9 per coordinate among four of 0.1 drags the plain mean, and with it every source's
+    distance, to 2e8 per coordinate; the iterations then brought the honest variances down a few-fold at
+    a time, the far weight with them, and stopped with it far from its end (IVAR-VB in float32: at
+    1.6e-11, its consensus 0.25 of the signal's norm from the honest mean; at 1e12 per coordinate, 16 per
+    coordinate from the far source). From the median the far source starts with about the weight it ends
+    with."""
     m = t.m
     if gram is None:
         r = residual_sq(t, weighted_sums(t, m / m.sum(1, keepdim=True))) / t.shape[2]
     else:
         r = gram.residuals(m / m.sum(1, keepdim=True), m) / t.shape[2]
     noise = _per_source(r, m)
-    if isinstance(gram, TaskGram) and gram.robust:
-        robust = _per_source(gram.centred.diagonal(dim1=1, dim2=2) * m.to(gram.centred) / t.shape[2], m)
-        if float(noise.median()) > FAR * float(robust.median()):  # the plain mean dragged by a far source
-            return robust
-    return noise
+    robust = dragged(noise, t, gram)
+    return noise if robust is None else robust
+
+
+def dragged(plain: torch.Tensor, t: Tasks, gram: TaskGram | TaskPasses | None) -> torch.Tensor | None:
+    """Each source's distance to the statistics' centre (J,) where that is robust (:attr:`TaskGram.robust`:
+    an aggregation rule's coordinate-wise median) and the sources' typical distance to the plain mean,
+    ``plain``, is :data:`FAR` times their typical distance to it: a far source has dragged the plain mean.
+    None otherwise."""
+    if not (isinstance(gram, TaskGram) and gram.robust):
+        return None
+    m = t.m
+    robust = _per_source(gram.centred.diagonal(dim1=1, dim2=2) * m.to(gram.centred) / t.shape[2], m)
+    return robust if float(plain.median()) > FAR * float(robust.median()) else None
 
 
 def _per_source(r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -316,16 +326,19 @@ def _per_source(r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return noise.clamp_min((float(positive.min()) if len(positive) else 1.0) * 1e-3)
 
 
-def not_below_centre(
-    noise: torch.Tensor, t: Tasks, gram: TaskGram | TaskPasses | None, centre: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Starting variances ``noise`` (J,), known from earlier rounds, each replaced by the source's distance
-    to the centre (:func:`mean_noise`'s, or ``centre`` when taken already) where the statistics have a
-    robust centre (:attr:`TaskGram.robust`) and the source is :data:`FAR` times as far as its past says:
-    a client that sent updates like the others' and now sends one 1e12 away would otherwise start with
-    the weight of its past, which the iterations took down only a few-fold at a time (IVAR-VB in float32
-    stopped with its consensus 0.20 of the signal's norm from the honest mean)."""
-    if isinstance(gram, TaskGram) and gram.robust:
-        centre = (mean_noise(t, gram) if centre is None else centre).to(noise)
-        return torch.where(centre > FAR * noise, centre, noise)
-    return noise
+def not_below_centre(noise: torch.Tensor, t: Tasks, gram: TaskGram | TaskPasses | None) -> torch.Tensor:
+    """Starting variances ``noise`` (J,), known from earlier rounds, where a far source drags this round's
+    plain mean (:func:`dragged`): each replaced by the source's distance to the robust centre where that
+    is :data:`FAR` times its past variance. A client that sent updates like the others' and now sends
+    one 1e12 away would otherwise start with the weight of its past, which the iterations took down only
+    a few-fold at a time (IVAR-VB in float32 stopped with its consensus 0.20 of the signal's norm from the
+    honest mean)."""
+    if not (isinstance(gram, TaskGram) and gram.robust):
+        return noise
+    m = t.m
+    plain = _per_source(gram.residuals(m / m.sum(1, keepdim=True), m) / t.shape[2], m)
+    robust = dragged(plain, t, gram)
+    if robust is None:
+        return noise
+    robust = robust.to(noise)
+    return torch.where(robust > FAR * noise, robust, noise)
