@@ -209,25 +209,31 @@ def test_the_kernels_a_rule_launches_on_the_device_do_not_grow_with_its_clients(
 # ------------------------------------------------------------------ attacks, estimators, FedAG
 
 
-def attack_context(x, bad, g):
+def attack_context(x, bad, g, global_vector=None):
     def oracle(m):
         return rule("median")(Round(m)).vector
 
-    return AttackContext(
-        x, bad, torch.zeros(x.shape[1], dtype=x.dtype, device=x.device), "params", g, 1, oracle
-    )
+    if global_vector is None:
+        global_vector = torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)
+    return AttackContext(x, bad, global_vector, "params", g, 1, oracle)
 
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
-def test_attack_crafts_on_the_rounds_device(name):
+@pytest.mark.parametrize("context_on_device", [True, False])
+def test_attack_crafts_on_the_rounds_device(name, context_on_device):
     """Same malicious rows on the device as on the CPU: random draws come from the attack's generator
-    where it lives (the CPU) and are moved, so a seed means the same attack everywhere."""
+    where it lives (the CPU) and are moved, so a seed means the same attack everywhere. The mask of
+    corrupted clients and the global vector may be given on the host (a device audit: every indexing
+    attack failed with the mask there)."""
     options = {"mimic": {"target": 0}}.get(name, {})
     x = torch.randn(12, 20, generator=torch.Generator().manual_seed(0), dtype=torch.float32) + 0.3
     bad = torch.tensor([True] * 3 + [False] * 9)
     expected = attack(name, **options)(attack_context(x, bad, torch.Generator().manual_seed(1)))
     with elsewhere():
-        ctx = attack_context(to_elsewhere(x), to_elsewhere(bad), torch.Generator().manual_seed(1))
+        place = to_elsewhere if context_on_device else (lambda t: t)
+        ctx = attack_context(
+            to_elsewhere(x), place(bad), torch.Generator().manual_seed(1), place(torch.zeros(20))
+        )
         sent = attack(name, **options)(ctx)
     assert isinstance(sent, Elsewhere) and sent.dtype == x.dtype
     torch.testing.assert_close(on_host(sent), expected, equal_nan=True, **dtype_tol(torch.float32, 10.0))

@@ -67,6 +67,12 @@ class AttackContext:
             raise TypeError(
                 f"AttackContext.bad must be an ({len(x)},) bool tensor (True: corrupted), got {got}"
             )
+        # the attacks index the updates with the mask and combine them with the global vector: both where
+        # the updates are (a mask left on the host made every indexing attack fail on a GPU)
+        for name in ("bad", "global_vector"):
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor) and value.device != x.device:
+                object.__setattr__(self, name, value.to(x.device))
 
     @property
     def benign(self) -> torch.Tensor:
