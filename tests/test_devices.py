@@ -434,6 +434,9 @@ def test_train_device_is_checked_and_left_out_of_the_config_hash():
         ):
             resolve_device("cuda:1")
     assert TrainSettings().device == "auto"
+    # MPS has no float64, which the sums over a device's data take (a device audit found 9 such sites)
+    with pytest.raises(ValueError, match=r"train.device: 'mps' is not supported: MPS has no float64"):
+        resolve_device("mps")
 
 
 @pytest.mark.parametrize("predictive", ["bootstrap", "omc", "linear"])

@@ -41,7 +41,7 @@ def demo(
     out: Path = typer.Option(Path("results"), help="Where the demo's runs and report go (results/demo)."),
     rounds: int = typer.Option(30, min=1, help="Training rounds."),
     seeds: int = typer.Option(3, min=1, help="Seeds per rule."),
-    device: str = typer.Option("auto", help="Where the runs compute: auto, cpu, cuda, cuda:<i>, mps, xpu."),
+    device: str = typer.Option("auto", help="Where the runs compute: auto, cpu, cuda, cuda:<i>, xpu."),
     jobs: int = typer.Option(1, min=1, help="Runs at once, each in a process of its own."),
 ) -> None:
     """The main job: every rule on digits where 30% of 20 clients flip their labels."""
@@ -116,7 +116,7 @@ def run(
         False, "--force", help="Start over the runs on disk that were computed from another config."
     ),
     device: str = typer.Option(
-        None, help="Where runs compute: auto, cpu, cuda, cuda:<i>, mps, xpu (sets train.device)."
+        None, help="Where runs compute: auto, cpu, cuda, cuda:<i>, xpu (sets train.device)."
     ),
     jobs: int = typer.Option(1, min=1, help="Runs at once, each in a process of its own."),
     ray: str = typer.Option(

@@ -32,8 +32,11 @@ def resolve_device(name: str) -> torch.device:
             raise ValueError(
                 f"train.device: {name!r}, but torch sees {torch.cuda.device_count()} CUDA device(s)"
             )
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"train.device: {name!r}, but this torch has no MPS backend; use 'auto' or 'cpu'")
+    if device.type == "mps":  # (named, to say why, rather than refused as an unknown device)
+        raise ValueError(
+            f"train.device: {name!r} is not supported: MPS has no float64, which fedtrust's sums over a "
+            "device's data need (norms, distances, evaluation); use 'cpu'"
+        )
     if device.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
         raise ValueError(f"train.device: {name!r}, but this torch sees no XPU device; use 'auto' or 'cpu'")
     return device
@@ -75,7 +78,8 @@ class TrainSettings(Settings):
     device: str = Field(
         "auto",
         description="where models, client data and the batched executor live: auto (CUDA when torch sees "
-        "one, else the CPU), cpu, cuda, cuda:<i>, mps or xpu[:<i>]. Results agree across devices to float "
+        "one, else the CPU), cpu, cuda, cuda:<i> or xpu[:<i>] (not mps: it has no float64). Results agree "
+        "across devices to float "
         "rounding; it is not part of a run's config hash, so a run resumes on another device",
     )
     checkpoint_every: int = Field(5, ge=1)
@@ -91,7 +95,7 @@ class TrainSettings(Settings):
     @classmethod
     def _device_name(cls, v: str) -> str:
         if not _DEVICE.fullmatch(v):
-            raise ValueError("must be auto, cpu, cuda, cuda:<i>, mps or xpu[:<i>]")
+            raise ValueError("must be auto, cpu, cuda, cuda:<i> or xpu[:<i>]")
         return v
 
     @model_validator(mode="after")
