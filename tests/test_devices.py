@@ -3,6 +3,8 @@
 round there, compute there and return its aggregate and weights there, in the round's dtype, equal to
 its CPU result to float rounding, across rounds (stateful rules keep their state between them)."""
 
+import math
+
 import pytest
 import torch
 from conftest import dtype_tol
@@ -174,14 +176,21 @@ def test_the_scalars_a_rule_reads_from_the_device_do_not_grow_with_its_clients(n
     eq 4 scores each client's model on the server's benchmark: the reference gives each loss as a tensor
     on the device (as the simulator's and the Flower strategy's do), read together in one transfer.
     (Not the pre-aggregated rules: NNM's mixtures share neighbours, and near copies are confirmed one pair
-    at a time, by a difference read back: a scalar per candidate pair, as for a group of copies.)"""
-    syncs = []
-    for n in (14, 33):
-        r = random_round(0, n=n, d=40, dtype=torch.float32, previous=True)
-        with elsewhere() as host:
-            build(name, {})(there(r))
-        syncs.append(host.syncs)
-    assert syncs[1] - syncs[0] == 0, syncs
+    at a time, by a difference read back: a scalar per candidate pair, as for a group of copies.) The
+    same with a fifth of the clients sending NaN: the front door read two counts per quarantined client
+    (a device audit), now all of them in one transfer."""
+    for broken in (False, True):  # a fifth of the clients sending NaN: quarantined, their counts read once
+        syncs = []
+        for n in (14, 33):
+            r = random_round(0, n=n, d=40, dtype=torch.float32, previous=True)
+            if broken:
+                x = r.updates.clone()
+                x[: n // 5, 0] = math.nan
+                r = Round(x, r.client_ids, r.num_samples, r.metrics, r.reference, r.previous)
+            with elsewhere() as host:
+                build(name, {})(there(r))
+            syncs.append(host.syncs)
+        assert syncs[1] - syncs[0] == 0, (broken, syncs)
 
 
 @pytest.mark.parametrize("name", [name for name in ALL if "+" not in name])
@@ -379,13 +388,15 @@ def test_an_evaluation_reads_the_device_once_whatever_its_batches():
         assert scores == model.evaluate(w, x, y, batch=batch)
 
 
-def second_round_on_the_device(executor: str, rule_name: str, clients: int = 6, **train):
-    """What round 2 of a digits federation on the device asked of the host (round 1 sets it up)."""
+def second_round_on_the_device(executor: str, rule_name: str, clients: int = 6, model=None, **train):
+    """What round 2 of a digits federation on the device asked of the host (round 1 sets it up); with a
+    ``model`` (FedAG's linear one), of Boston housing's."""
     from fedtrust.sweeps.config import validate
     from fedtrust.sweeps.runner import build_simulation
 
-    cfg = validate({"name": "host", "seed": 1,
-                    "data": {"name": "digits", "clients": clients, "benchmark": 0.05},
+    data = {"name": "digits", "clients": clients, "benchmark": 0.05} if model is None else {
+        "name": "boston", "clients": clients}  # fmt: skip
+    cfg = validate({"name": "host", "seed": 1, "data": data, **({"model": model} if model else {}),
                     "train": {"rounds": 2, "executor": executor, **train}, "rule": {"name": rule_name}})  # fmt: skip
     with elsewhere():
         sim = build_simulation(cfg, device=DEVICE)
@@ -453,3 +464,14 @@ def test_fedag_simulation_scores_its_predictions_from_the_device(predictive):
         records = build_simulation(cfg, device=DEVICE).run()
     for key, value in expected[-1]["metrics"].items():
         assert records[-1]["metrics"][key] == pytest.approx(value, rel=1e-4)
+
+
+@pytest.mark.parametrize("predictive", ["linear", "bootstrap"])
+def test_fedag_reads_a_fixed_number_of_scalars_from_the_device_whatever_its_clients(predictive):
+    """Eq 6's noise precision averages every client's mean squared residual: read in one transfer, not a
+    sync a client (a device audit: 11 syncs a round at 5 clients, 16 at 10, with ``linear``)."""
+    rounds = [
+        second_round_on_the_device("auto", "fedag", n, model={"name": "linear"}, predictive=predictive)
+        for n in (5, 10)
+    ]
+    assert rounds[0].syncs == rounds[1].syncs, [host.syncs for host in rounds]

@@ -85,13 +85,16 @@ def _screen_updates(round: Round, sizes: bool = True) -> dict[int, str]:
     bad: dict[int, str] = {}
     limit = norm_limit(x.dtype)
     norms = round.norms_on_host  # one transfer (on a GPU a nonzero is a sync, and its read another)
-    for i in torch.nonzero(~(norms <= limit)).flatten().tolist():  # NaN-safe: NaN <= limit is False
-        row = x[i]
-        nan, inf = int(torch.isnan(row).sum()), int(torch.isinf(row).sum())
+    flagged = torch.nonzero(~(norms <= limit)).flatten().tolist()  # NaN-safe: NaN <= limit is False
+    if not flagged:
+        return bad
+    # the flagged rows' NaN and Inf counts in one transfer (a crash attack flags many clients a round)
+    counts = torch.stack([torch.stack([torch.isnan(x[i]).sum(), torch.isinf(x[i]).sum()]) for i in flagged])
+    for i, (nan, inf) in zip(flagged, counts.tolist(), strict=True):
         if nan or inf:
             bad[i] = f"update has non-finite entries ({nan} NaN, {inf} Inf of {round.d})"
         elif sizes:
-            bad[i] = _too_large(row)
+            bad[i] = _too_large(x[i])
     return bad
 
 

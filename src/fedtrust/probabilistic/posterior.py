@@ -157,10 +157,12 @@ def noise_precision(
     when none are given (every sample counts alike). With robust FedAG's trust, a client the rule sets
     aside (weight 0) has no say in the data noise either: three of ten clients with noisy targets would
     otherwise set it. A client without rows has none."""
-    with torch.no_grad():
-        mse = torch.tensor(
-            [float(((model.forward(at, x).reshape(-1) - y) ** 2).mean()) if len(y) else 0.0 for x, y in data]
-        )
+    with (
+        torch.no_grad()
+    ):  # every client's residual where the data are, read in one transfer (not a sync each)
+        each = [((model.forward(at, x).reshape(-1) - y) ** 2).mean() for x, y in data if len(y)]
+        read = iter(torch.stack(each).tolist() if each else [])
+        mse = torch.tensor([next(read) if len(y) else 0.0 for _, y in data])
     counts = torch.tensor([len(y) for _, y in data], dtype=torch.float64)
     w = counts if weights is None else weights.detach().to(torch.float64).cpu() * (counts > 0)
     return float(w.sum() / (w * mse.to(torch.float64)).sum().clamp_min(1e-12))
