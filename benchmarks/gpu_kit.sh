@@ -8,8 +8,10 @@
 #       (pinned below: cp312 manylinux x86-64 wheels, no numpy/scipy/torch/triton), installs them into a
 #       staging tree (GPUKIT_WORK, default /tmp/gpukit-fetch), prunes and strips it, adds Fashion-MNIST's IDX
 #       files (from Debian's dataset-fashion-mnist, unpacked without installing it) and packs
-#       .gpukit/kit.tar.xz + .gpukit/kit-elf.tar.xz (42.6 MB together: 0.8 MiB under the tool's 64 MiB
-#       beside the tree of commit 02ee555; it says so, and fails, once the tree has outgrown that).
+#       .gpukit/kit.tar.xz + .gpukit/kit-elf.tar.xz (42.6 MB together). Beside the tracked tree they must
+#       fit the tool's 64 MiB; it says so, and fails, once the tree has outgrown that. On 2026-12-02 the
+#       tree (25.0 MB) had: 470 KiB over, so the experiments' .pdf/.svg figures (9.1 MB) left git
+#       (.gitignore; each run writes them) and the tree of 15.9 MB leaves 8.2 MiB to spare.
 #       /.gpukit/ goes into .git/info/exclude. ~3 min on 2 cores, most of it xz -9e.
 #   sh benchmarks/gpu_kit.sh run [MODE]   THERE, with .gpukit carried. Unpacks to /tmp/gpukit-kit and
 #       /tmp/site, checks the requirements, builds the C extension in place, then MODE:
