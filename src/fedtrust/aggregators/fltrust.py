@@ -81,8 +81,13 @@ class FLTrust(BaseRule):
             read = torch.stack([row_norms(g0[None])[0], torch.isfinite(g0).all().to(torch.float64)])
             norm, finite = read.tolist()
         if not finite:
+            bad = (  # (read only on this failing path)
+                f", {int((~torch.isfinite(g0)).sum())} of them NaN or Inf"
+                if g0.numel() == round.d and g0.is_floating_point()
+                else ""
+            )
             raise RoundRefused(
                 f"fltrust: the server's update must be {round.d} finite numbers, got "
-                f"{g0.numel()} of dtype {g0.dtype}"
+                f"{g0.numel()} of dtype {g0.dtype}{bad}"
             )
         return g0, norm
