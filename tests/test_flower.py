@@ -666,3 +666,20 @@ def test_a_starting_model_with_nothing_finite_to_train_is_refused_as_the_servers
     with pytest.raises(ValueError, match=says):
         TrustStrategy(rule="median").start(grid=grid, initial_arrays=arrays(initial()), num_rounds=1)
     assert sent == []
+
+
+def test_the_example_client_names_the_node_config_keys_it_picks_its_data_by():
+    """A SuperNode started with only a node-name (as a hospital would) was dropped every round with a bare
+    KeyError 'partition-id'; the example's ClientApp now says which keys it needs and what to do instead."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "flower"))
+    try:
+        from fedtrust_example.client_app import _data
+    finally:
+        sys.path.pop(0)
+    context = Context(run_id=1, node_id=1, node_config={"node-name": "hospital-d"}, state=RecordDict(),
+                      run_config={"dataset": "digits", "benchmark-size": 0})  # fmt: skip
+    with pytest.raises(ValueError, match=r"partition-id and num-partitions missing \(--node-config"):
+        _data(context)

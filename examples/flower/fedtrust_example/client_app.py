@@ -15,6 +15,13 @@ from fedtrust_example.task import make_model, partition, setting
 def _data(context: Context):
     cfg = context.run_config
     node = context.node_config
+    missing = [key for key in ("partition-id", "num-partitions") if key not in node]
+    if missing:  # (a SuperNode started with only a node-name was dropped every round with a KeyError)
+        raise ValueError(
+            f"this example's ClientApp picks its data by the node config's partition-id and num-partitions; "
+            f'{" and ".join(missing)} missing (--node-config "partition-id=0 num-partitions=3"). A site '
+            "with its own data gives trust_client_app a data_fn that loads it instead"
+        )
     return partition(
         setting(cfg, "dataset", str),
         int(node["partition-id"]),
