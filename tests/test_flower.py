@@ -683,3 +683,24 @@ def test_the_example_client_names_the_node_config_keys_it_picks_its_data_by():
                       run_config={"dataset": "digits", "benchmark-size": 0})  # fmt: skip
     with pytest.raises(ValueError, match=r"partition-id and num-partitions missing \(--node-config"):
         _data(context)
+
+
+def test_a_metric_one_node_adds_is_logged_as_not_the_rounds_not_as_every_reply_left_out(caplog):
+    """One node adding its own key listed every reply as left out of an average that never happened (the
+    flower audit); it is now named as not the round's, and a metric averaged without some replies still
+    names those replies."""
+    from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+    from fedtrust.flower.replies import Reply
+
+    sent = [{"num-examples": 10, "acc": 0.9}, {"num-examples": 10, "acc": 0.8, "evil": 1.0},
+            {"num-examples": 10, "acc": [0.5, 0.5]}, {"num-examples": 10, "acc": 0.7}]  # fmt: skip
+    replies = [
+        Reply(100 + k, f"n{k}", m, RecordDict({"metrics": MetricRecord(m)})) for k, m in enumerate(sent)
+    ]
+    strategy = TrustStrategy(rule="mean")
+    with caplog.at_level("WARNING"):
+        metrics = strategy._aggregate_metrics(replies, aggregate_metricrecords, "round 1")
+    assert set(metrics) == {"acc"} and metrics["acc"] == pytest.approx(0.8)
+    assert "(metric: the replies left out): {'acc': ['n2']}" in caplog.text
+    assert "are not the round's: ['evil']" in caplog.text

@@ -531,9 +531,15 @@ class TrustStrategy(FedAvg):
             log(WARNING, "%s: every reply has %s = 0; no metrics to aggregate", where, self.weighted_by_key)
             return {}
         groups, left_out = metric_groups(accepted, self.weighted_by_key, aggregate is aggregate_metricrecords)
-        if left_out:
+        gone = sorted(
+            k for k, names in left_out.items() if len(names) == len(accepted)
+        )  # (averaged for none)
+        if partly := {k: names for k, names in left_out.items() if k not in gone}:
             log(WARNING, "%s: metrics some replies do not hold in the form most give were averaged without "
-                "them (metric: the replies left out): %s", where, left_out)  # fmt: skip
+                "them (metric: the replies left out): %s", where, partly)  # fmt: skip
+        if gone:  # (one node's extra key listed every reply as left out, as if the others had failed it)
+            log(WARNING, "%s: metrics that no more than half the replies hold in one form are not the "
+                "round's: %s", where, gone)  # fmt: skip
         metrics: dict[str, Any] = {}
         for contents in groups:  # (one group unless the replies disagree)
             metrics.update(aggregate(contents, self.weighted_by_key))
