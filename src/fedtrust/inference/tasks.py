@@ -271,9 +271,12 @@ def residual_gram(t: Tasks, y: torch.Tensor) -> torch.Tensor:
 
 #: A typical value dragged beyond this many times its robust counterpart (a mean beyond FAR times the
 #: median; the plain mean's distances beyond FAR times the median's) is a far source's doing, and the
-#: robust one is taken. Far above what ordinary rounds show (their numbers stay as they were: an ICOV-MLE
-#: fit whose sources collapse passed 100 in the demo's federation), far below what one update 100 times
-#: the others' norm does (1e4 in variance).
+#: robust one is taken. Far above what ordinary rounds show (an ICOV-MLE fit whose sources collapse
+#: passed 100 in the demo's federation), far below what one update 100 times the others' norm does (1e4
+#: in variance). A round where half the sources or more collapsed to a variance near 0 (exact copies with
+#: sybils="off") also passes it in :func:`typical`: ICOV's jitter and floor then follow the collapsed
+#: median (the golden copies round, float64: the five distinct clients' weights 1.5e-25 -> 1.3e-15, the
+#: five copies' 0.2 -> 0.2 - 2e-15).
 FAR = 1e4
 
 
@@ -287,7 +290,9 @@ def typical(values: torch.Tensor) -> float:
 def mean_noise(t: Tasks, gram: TaskGram | TaskPasses | None = None) -> torch.Tensor:
     """(J,) float64: each source's mean squared distance (per coordinate) to the plain per-task mean, a
     starting point for the noise variances (sources with no data get 1; zeros are floored); to the
-    statistics' robust centre instead where a far source drags the plain mean (:func:`dragged`). One
+    statistics' robust centre instead where a far source drags the plain mean (:func:`dragged`: only
+    statistics about a rule's median have one, ``sybils="share"`` with three groups or more; a direct call
+    of an estimator, ``"off"`` and ``"copies"`` start from the plain mean as the papers do). One
     update of 1e9 per coordinate among four of 0.1 drags the plain mean, and with it every source's
     distance, to 2e8 per coordinate; the iterations then brought the honest variances down a few-fold at
     a time, the far weight with them, and stopped with it far from its end (IVAR-VB in float32: at
