@@ -316,9 +316,15 @@ def dragged(plain: torch.Tensor, t: Tasks, gram: TaskGram | TaskPasses | None) -
     None otherwise."""
     if not (isinstance(gram, TaskGram) and gram.robust):
         return None
-    m = t.m
-    robust = _per_source(gram.centred.diagonal(dim1=1, dim2=2) * m.to(gram.centred) / t.shape[2], m)
+    m = _present(gram)
+    robust = _per_source(gram.centred.diagonal(dim1=1, dim2=2) * m / t.shape[2], m)
     return robust if float(plain.median()) > FAR * float(robust.median()) else None
+
+
+def _present(gram: TaskGram) -> torch.Tensor:
+    """The observation mask of statistics about a robust centre, where they are (the host: a rule's): every
+    source present in its one task (:meth:`TaskGram.of_moments`), so none moves from the data's device."""
+    return torch.ones(gram.centred.shape[:2], dtype=gram.centred.dtype, device=gram.centred.device)
 
 
 def _per_source(r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -340,7 +346,7 @@ def not_below_centre(noise: torch.Tensor, t: Tasks, gram: TaskGram | TaskPasses 
     honest mean)."""
     if not (isinstance(gram, TaskGram) and gram.robust):
         return noise
-    m = t.m
+    m = _present(gram)
     plain = _per_source(gram.residuals(m / m.sum(1, keepdim=True), m) / t.shape[2], m)
     robust = dragged(plain, t, gram)
     if robust is None:
