@@ -531,13 +531,12 @@ class TrustStrategy(FedAvg):
             log(WARNING, "%s: every reply has %s = 0; no metrics to aggregate", where, self.weighted_by_key)
             return {}
         groups, left_out = metric_groups(accepted, self.weighted_by_key, aggregate is aggregate_metricrecords)
-        gone = sorted(
-            k for k, names in left_out.items() if len(names) == len(accepted)
-        )  # (averaged for none)
+        # metrics averaged for no reply (one node's extra key), apart from those averaged without some
+        gone = sorted(k for k, names in left_out.items() if len(names) == len(accepted))
         if partly := {k: names for k, names in left_out.items() if k not in gone}:
             log(WARNING, "%s: metrics some replies do not hold in the form most give were averaged without "
                 "them (metric: the replies left out): %s", where, partly)  # fmt: skip
-        if gone:  # (one node's extra key listed every reply as left out, as if the others had failed it)
+        if gone:  # (they were listed with every reply as left out, as if the others had failed them)
             log(WARNING, "%s: metrics that no more than half the replies hold in one form are not the "
                 "round's: %s", where, gone)  # fmt: skip
         metrics: dict[str, Any] = {}

@@ -295,7 +295,7 @@ def icov_mle(
     host = torch.device("cpu")
     on = {"dtype": torch.float64, "device": host}
     if "noise" in init:
-        noise = not_below_centre(torch.as_tensor(init["noise"], **on), t, gram).clone()
+        noise = not_below_centre(torch.as_tensor(init["noise"], **on), gram, k).clone()
     else:
         noise = mean_noise(t, gram).to(**on)
     v = torch.as_tensor(init["V"], **on).clone() if "V" in init else latent_init(keys, latent_dim, seed)
@@ -608,7 +608,6 @@ class _VbSweep:
         host = torch.device("cpu")
         gram = TaskGram.of(t)
         self.start_noise = mean_noise(t, gram).to(host)
-        self.t = t  # (its mask and shape: a known start dragged by a far source, not_below_centre)
         self.shape, self.d, self.noise, self.ard = t.shape, latent_dim, noise, ard
         self.past = None if past is None else stats_on(past, host)
         self.k = t.shape[2]
@@ -631,7 +630,7 @@ class _VbSweep:
         on = {"dtype": torch.float64, "device": m.device}
         if "noise" in init:
             given = torch.as_tensor(init["noise"], **on).clone()
-            start = not_below_centre(torch.where(torch.isnan(given), start, given), self.t, self.gram)
+            start = not_below_centre(torch.where(torch.isnan(given), start, given), self.gram, self.k)
         s2 = start if self.noise == "per_source" else torch.full_like(start, float(start.mean()))
         plain_sq = float(self.gram.sq_norm(m / m.sum(1, keepdim=True)).sum()) / (tasks * k)
         sy2 = float(init.get("sigma_y2", plain_sq + float(s2.mean())))

@@ -71,7 +71,7 @@ def start_noise(t, init_noise, gram: TaskGram | TaskPasses | None = None) -> tor
                          "(NaN: unknown)")  # fmt: skip
     if unknown.any():
         given[unknown] = mean_noise(t, gram).to(given.device)[unknown]
-    return not_below_centre(given, t, gram)
+    return not_below_centre(given, gram, t.shape[2])
 
 
 def ivar_mle(

@@ -305,19 +305,19 @@ def mean_noise(t: Tasks, gram: TaskGram | TaskPasses | None = None) -> torch.Ten
     else:
         r = gram.residuals(m / m.sum(1, keepdim=True), m) / t.shape[2]
     noise = _per_source(r, m)
-    robust = dragged(noise, t, gram)
+    robust = dragged(noise, gram, t.shape[2])
     return noise if robust is None else robust
 
 
-def dragged(plain: torch.Tensor, t: Tasks, gram: TaskGram | TaskPasses | None) -> torch.Tensor | None:
-    """Each source's distance to the statistics' centre (J,) where that is robust (:attr:`TaskGram.robust`:
-    an aggregation rule's coordinate-wise median) and the sources' typical distance to the plain mean,
-    ``plain``, is :data:`FAR` times their typical distance to it: a far source has dragged the plain mean.
-    None otherwise."""
+def dragged(plain: torch.Tensor, gram: TaskGram | TaskPasses | None, k: int) -> torch.Tensor | None:
+    """Each source's mean squared distance (over its ``k`` coordinates) to the statistics' centre, (J,),
+    where that is robust (:attr:`TaskGram.robust`: an aggregation rule's coordinate-wise median) and the
+    sources' typical distance to the plain mean, ``plain``, is :data:`FAR` times their typical distance to
+    it: a far source has dragged the plain mean. None otherwise."""
     if not (isinstance(gram, TaskGram) and gram.robust):
         return None
     m = _present(gram)
-    robust = _per_source(gram.centred.diagonal(dim1=1, dim2=2) * m / t.shape[2], m)
+    robust = _per_source(gram.centred.diagonal(dim1=1, dim2=2) * m / k, m)
     return robust if float(plain.median()) > FAR * float(robust.median()) else None
 
 
@@ -337,8 +337,9 @@ def _per_source(r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return noise.clamp_min((float(positive.min()) if len(positive) else 1.0) * 1e-3)
 
 
-def not_below_centre(noise: torch.Tensor, t: Tasks, gram: TaskGram | TaskPasses | None) -> torch.Tensor:
-    """Starting variances ``noise`` (J,), known from earlier rounds, where a far source drags this round's
+def not_below_centre(noise: torch.Tensor, gram: TaskGram | TaskPasses | None, k: int) -> torch.Tensor:
+    """Starting variances ``noise`` (J,) of sources of ``k`` coordinates a task, known from earlier rounds,
+    where a far source drags this round's
     plain mean (:func:`dragged`): each replaced by the source's distance to the robust centre where that
     is :data:`FAR` times its past variance. A client that sent updates like the others' and now sends
     one 1e12 away would otherwise start with the weight of its past, which the iterations took down only
@@ -347,8 +348,8 @@ def not_below_centre(noise: torch.Tensor, t: Tasks, gram: TaskGram | TaskPasses 
     if not (isinstance(gram, TaskGram) and gram.robust):
         return noise
     m = _present(gram)
-    plain = _per_source(gram.residuals(m / m.sum(1, keepdim=True), m) / t.shape[2], m)
-    robust = dragged(plain, t, gram)
+    plain = _per_source(gram.residuals(m / m.sum(1, keepdim=True), m) / k, m)
+    robust = dragged(plain, gram, k)
     if robust is None:
         return noise
     robust = robust.to(noise)

@@ -157,9 +157,8 @@ def noise_precision(
     when none are given (every sample counts alike). With robust FedAG's trust, a client the rule sets
     aside (weight 0) has no say in the data noise either: three of ten clients with noisy targets would
     otherwise set it. A client without rows has none."""
-    with (
-        torch.no_grad()
-    ):  # every client's residual where the data are, read in one transfer (not a sync each)
+    # every client's residual where the data are, read in one transfer (not a sync each)
+    with torch.no_grad():
         each = [((model.forward(at, x).reshape(-1) - y) ** 2).mean() for x, y in data if len(y)]
         read = iter(torch.stack(each).tolist() if each else [])
         mse = torch.tensor([next(read) if len(y) else 0.0 for _, y in data])

@@ -79,8 +79,8 @@ class TrainSettings(Settings):
         "auto",
         description="where models, client data and the batched executor live: auto (CUDA when torch sees "
         "one, else the CPU), cpu, cuda, cuda:<i> or xpu[:<i>] (not mps: it has no float64). Results agree "
-        "across devices to float "
-        "rounding; it is not part of a run's config hash, so a run resumes on another device",
+        "across devices to float rounding; it is not part of a run's config hash, so a run resumes on "
+        "another device",
     )
     checkpoint_every: int = Field(5, ge=1)
     predictive: Literal["bootstrap", "omc", "linear"] = Field(
