@@ -307,6 +307,31 @@ def test_a_far_update_puts_nothing_into_the_trust_estimators_consensus(name, dty
     assert float(out.weights[4]) * magnitude < 1e-6
 
 
+@pytest.mark.parametrize("name", ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("n", "far", "mirrored"), [(6, 2, True), (10, 3, False)])
+def test_several_far_updates_put_nothing_into_the_trust_estimators_consensus(name, dtype, n, far, mirrored):
+    """As one far update, so several: two clients at +-1e12 per coordinate (the plain mean between them
+    lands on the honest ones) or three at 1e9 with their own signs leave the consensus within the honest
+    clients' spread. (ICOV-MLE read the residual Gram about the plain mean, a difference of 6.5e26
+    terms: in float32 the honest block was rounding, the fit put the honest variances at 1e-13 and the
+    consensus 2.5 honest spreads off.)"""
+    g = torch.Generator().manual_seed(1)
+    d, magnitude = 650, 1e12 if mirrored else 1e9
+    signal = 0.1 * torch.randn(d, generator=g, dtype=torch.float64)
+    x = signal + 0.01 * torch.randn(n, d, generator=g, dtype=torch.float64)
+    signs = torch.randn(far, d, generator=g, dtype=torch.float64).sign()
+    if mirrored:
+        signs = signs[:1] * torch.tensor([1.0, -1.0], dtype=torch.float64)[:, None]
+    x[n - far :] = magnitude * signs
+    out = rule(name)(Round(updates=x.to(dtype), client_ids=[f"c{i}" for i in range(n)]))
+    honest = x[: n - far].mean(0)
+    spread = (x[: n - far] - honest).norm(dim=1).max()
+    error = (out.vector.double() - honest).norm()
+    assert error < spread, f"consensus {float(error / spread):.3g} honest spreads from the honest mean"
+    assert float(out.weights[n - far :].sum()) * magnitude < 1e-6
+
+
 @given(seed=seeds)
 def test_centered_clipping_moves_at_most_tau_per_iteration(seed):
     """Clipped steps bound each outlier's pull: ||v_new - v|| <= tau, whatever the outliers send."""

@@ -308,8 +308,7 @@ def icov_mle(
     task_mask = t.mask.to(host)
     all_mask = task_mask if past is None else torch.cat([task_mask, past.mask.to(host)])
     total = float(all_mask.sum()) * k
-    with torch.no_grad():  # any consensus will do (icov_loglik): the plain mean's residuals
-        s = gram.residual_gram(t.m / t.m.sum(1, keepdim=True), t.mask).to(host)
+    s = _about_centre(gram, t.mask).to(host)
     all_s = s if past is None else torch.cat([s, past.gram.to(host)])
     trace: list[float] = []
     changes = WeightChanges()
@@ -343,6 +342,19 @@ def icov_mle(
         params=params,
         past=IcovMlePast(t.mask, s.to(there)),
     )
+
+
+def _about_centre(gram: TaskGram, mask: torch.Tensor) -> torch.Tensor:
+    """(I, J, J): the residual Gram matrices S_i that :func:`icov_loglik` reads, about the statistics' own
+    centre (any consensus will do there: P_i 1 = 0), zero outside each task's sources. The centre is the
+    plain mean or, in a rule's round, the coordinate-wise median, which no far source drags: about the
+    plain mean instead, S_i's honest block is a difference of the far source's terms (two sources at
+    +-1e12 per coordinate among four honest ones, float32: 6.5e26 terms whose rounding of ~1e19 swamped
+    the honest residuals of ~0.07, and the fit put the honest sources' variances at 1e-13 and the
+    consensus 2.5 honest spreads from theirs)."""
+    m = mask.to(gram.centred.device, torch.float64)
+    s = gram.centred * (m[:, :, None] * m[:, None, :])
+    return (s + s.transpose(1, 2)) / 2
 
 
 def _centred(theta: dict) -> dict:
