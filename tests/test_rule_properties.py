@@ -284,16 +284,21 @@ def test_robust_rules_stay_near_the_honest_mean_under_huge_outliers(name, seed, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("magnitude", [1e3, 1e9, 1e12])
 @pytest.mark.parametrize("honest_before", [0, 2])
-def test_a_far_update_puts_nothing_into_the_trust_estimators_consensus(name, dtype, magnitude, honest_before):
+@pytest.mark.parametrize("sybils", ["share", "off"])
+def test_a_far_update_puts_nothing_into_the_trust_estimators_consensus(
+    name, dtype, magnitude, honest_before, sybils
+):
     """Inverse-variance weighting gives a source at distance D a weight ~1/D^2, so its pull on the
     consensus, weight x D, vanishes as D grows: one client sending magnitude x (+-1) in every coordinate
     beside four honest ones (signal 0.1, noise 0.01 per coordinate) leaves the consensus where the honest
-    clients put it (within their spread), on its first round or after rounds of looking honest. (Before the fix the default
-    rules stopped with that weight at 1e-11 to 5e-12, from the plain mean's start, a jitter or a floor
-    scaled by the mean noise: at 1e12 per coordinate 5-16 per coordinate in the consensus.)"""
+    clients put it (within their spread), on its first round or after rounds of looking honest, with the
+    default sybils="share" and the papers' "off". (Before the fix the default rules stopped with that
+    weight at 1e-11 to 5e-12, from the plain mean's start, a jitter or a floor scaled by the mean noise:
+    at 1e12 per coordinate 5-16 per coordinate in the consensus; with "off", IVAR-VB 4 honest spreads
+    off, ICOV-MLE 7.9.)"""
     g = torch.Generator().manual_seed(1)
     n, d = 5, 650
-    r = rule(name)
+    r = rule(name, sybils=sybils)
     for t in range(honest_before + 1):
         signal = 0.1 * torch.randn(d, generator=g, dtype=torch.float64)
         x = signal + 0.01 * torch.randn(n, d, generator=g, dtype=torch.float64)
@@ -310,7 +315,10 @@ def test_a_far_update_puts_nothing_into_the_trust_estimators_consensus(name, dty
 @pytest.mark.parametrize("name", ["ivar_mle", "ivar_vb", "icov_mle", "icov_vb"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(("n", "far", "mirrored"), [(6, 2, True), (10, 3, False)])
-def test_several_far_updates_put_nothing_into_the_trust_estimators_consensus(name, dtype, n, far, mirrored):
+@pytest.mark.parametrize("sybils", ["share", "copies"])
+def test_several_far_updates_put_nothing_into_the_trust_estimators_consensus(
+    name, dtype, n, far, mirrored, sybils
+):
     """As one far update, so several: two clients at +-1e12 per coordinate (the plain mean between them
     lands on the honest ones) or three at 1e9 with their own signs leave the consensus within the honest
     clients' spread. (ICOV-MLE read the residual Gram about the plain mean, a difference of 6.5e26
@@ -324,7 +332,7 @@ def test_several_far_updates_put_nothing_into_the_trust_estimators_consensus(nam
     if mirrored:
         signs = signs[:1] * torch.tensor([1.0, -1.0], dtype=torch.float64)[:, None]
     x[n - far :] = magnitude * signs
-    out = rule(name)(Round(updates=x.to(dtype), client_ids=[f"c{i}" for i in range(n)]))
+    out = rule(name, sybils=sybils)(Round(updates=x.to(dtype), client_ids=[f"c{i}" for i in range(n)]))
     honest = x[: n - far].mean(0)
     spread = (x[: n - far] - honest).norm(dim=1).max()
     error = (out.vector.double() - honest).norm()

@@ -443,10 +443,8 @@ def correlated_groups(x: torch.Tensor, groups: Groups, threshold: float = CORREL
     if count < 3:
         return groups
     reps = x if groups.trivial else groups.means(x)
-    centre = rank_window(reps, *median_window(count))[0]
-    # the n^2 + n + 1 numbers in one transfer: the host turns them into groups and the estimators' iterations
-    moments = Moments(*moved(torch.device("cpu"), *moments_about(reps, centre)))
-    if not all(bool(torch.isfinite(t).all()) for t in moments):
+    centre, moments = median_moments(reps)
+    if moments is None:
         return groups
     if chance_links(count, x.shape[1], threshold) > CHANCE_LINKS:
         return replace(groups, moments=moments)
@@ -467,6 +465,16 @@ def correlated_groups(x: torch.Tensor, groups: Groups, threshold: float = CORREL
     # each new representative is its members' mean: the old representatives' mean weighted by their sizes
     before = torch.nn.functional.one_hot(groups.index, count).to(torch.float64)
     return replace(out, moments=moments.combined(out.pooling() @ before))
+
+
+def median_moments(reps: torch.Tensor) -> tuple[torch.Tensor, Moments | None]:
+    """The coordinate-wise median of the rows of ``reps`` (one selection pass) and the rows' second
+    moments about it (one Gram pass, n^2 d products), those on the host: the n^2 + n + 1 numbers in one
+    transfer, where the grouping and the estimators' iterations read them. None for the moments where
+    they are not finite (updates whose squares overflow)."""
+    centre = rank_window(reps, *median_window(reps.shape[0]))[0]
+    moments = Moments(*moved(torch.device("cpu"), *moments_about(reps, centre)))
+    return centre, moments if all(bool(torch.isfinite(t).all()) for t in moments) else None
 
 
 def all_identical(x: torch.Tensor) -> bool:

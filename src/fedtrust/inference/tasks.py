@@ -291,8 +291,9 @@ def mean_noise(t: Tasks, gram: TaskGram | TaskPasses | None = None) -> torch.Ten
     """(J,) float64: each source's mean squared distance (per coordinate) to the plain per-task mean, a
     starting point for the noise variances (sources with no data get 1; zeros are floored); to the
     statistics' robust centre instead where a far source drags the plain mean (:func:`dragged`: only
-    statistics about a rule's median have one, ``sybils="share"`` with three groups or more; a direct call
-    of an estimator, ``"off"`` and ``"copies"`` start from the plain mean as the papers do). One
+    statistics about a rule's median have one: ``sybils="share"`` with three groups or more, ``"off"`` and
+    ``"copies"`` where an update's norm is far beyond the others'; a direct call of an estimator starts
+    from the plain mean as the papers do). One
     update of 1e9 per coordinate among four of 0.1 drags the plain mean, and with it every source's
     distance, to 2e8 per coordinate; the iterations then brought the honest variances down a few-fold at
     a time, the far weight with them, and stopped with it far from its end (IVAR-VB in float32: at
