@@ -704,3 +704,46 @@ def test_a_metric_one_node_adds_is_logged_as_not_the_rounds_not_as_every_reply_l
     assert set(metrics) == {"acc"} and metrics["acc"] == pytest.approx(0.8)
     assert "(metric: the replies left out): {'acc': ['n2']}" in caplog.text
     assert "are not the round's: ['evil']" in caplog.text
+
+
+def test_wrapped_in_flowers_differential_privacy_every_round_keeps_its_record():
+    """A wrapper's own start runs the rounds (Flower's DP strategies): the strategy's history still
+    holds every round, with trust and the nodes' evaluation (it stayed empty: the records were written
+    at the end of start's rounds, which never came)."""
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+
+    inner = TrustStrategy(rule="median", min_available_nodes=4, min_evaluate_nodes=4)
+    dp = DifferentialPrivacyServerSideFixedClipping(
+        inner, noise_multiplier=0.0, clipping_norm=100.0, num_sampled_clients=4
+    )
+    result = run(dp, federation(bad={2: {"fedtrust-corruption": "random_labels"}}))
+    assert [r["round"] for r in inner.history] == [1, 2, 3]
+    assert min(inner.trust(), key=inner.trust().get) == "partition-2"
+    assert all(r["metrics"] == r["evaluate_metrics"] and "accuracy" in r["metrics"] for r in inner.history)
+    assert inner.history[-1]["metrics"]["accuracy"] == pytest.approx(
+        result.evaluate_metrics_clientapp[3]["accuracy"]
+    )
+
+
+def test_a_run_directory_a_wrapper_would_leave_empty_is_refused_before_anyone_trains(tmp_path):
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+
+    class Counting(InProcessGrid):
+        sent = 0
+
+        def send_and_receive(self, messages, timeout=None):
+            messages = list(messages)
+            Counting.sent += len(messages)
+            return super().send_and_receive(messages, timeout)
+
+    inner = TrustStrategy(
+        rule="median", fraction_evaluate=0.0, min_available_nodes=4, run_dir=tmp_path / "run"
+    )
+    dp = DifferentialPrivacyServerSideFixedClipping(
+        inner, noise_multiplier=0.0, clipping_norm=100.0, num_sampled_clients=4
+    )
+    grid = Counting(federation().nodes)
+    with pytest.raises(ValueError, match=r"run_dir=.*written by TrustStrategy.start.*Drop run_dir"):
+        run(dp, grid)
+    assert Counting.sent == 0
+    assert not any((tmp_path / "run").glob("*.jsonl"))

@@ -79,6 +79,13 @@ class TrustStrategy(FedAvg):
     SuperLink running the ServerApp again with the same ``run_dir`` goes on from the checkpoint (model,
     reputations, round number; ``num_rounds`` counts rounds in all).
 
+    **Another loop.** A wrapper whose own ``start`` runs the rounds (Flower's ``DifferentialPrivacy...``
+    strategies) calls ``configure_train``/``aggregate_train``/``aggregate_evaluate`` itself: each round's
+    record then joins ``history`` when the round is aggregated, its ``metrics`` the nodes' evaluation
+    (the server's ``evaluate_fn`` is the wrapper's). A ``run_dir`` is refused there at the first round,
+    before any node trains: its resume, manifest and checkpoints are ``start``'s (the wrapper left it
+    empty without a word).
+
     Rules with an ``observe`` hook (ARFL) get every node's train_loss at the initial model through a QUERY
     round first. For FedAG the posterior variance travels to the nodes as the ``posterior-var``
     ArrayRecord.
@@ -166,6 +173,7 @@ class TrustStrategy(FedAvg):
         given = {"name": rule, **(rule_options or {})} if isinstance(rule, str) else None
         self.run = RunDirectory(run_dir, self._describe(given)) if run_dir else None
         self.layout: ArrayLayout | None = None
+        self._own_loop = False  # whether this strategy's start() runs the rounds (not a wrapper's)
         self._fresh_rule = copy.deepcopy(self.rule.state_dict())  # what each start() begins from
         self._begin()
 
@@ -250,6 +258,7 @@ class TrustStrategy(FedAvg):
             if self.run is not None:
                 source = self.run.start(num_rounds, done, source)  # a resumed run keeps its first session's
             self.history, self._offset = list(done), len(done)
+            self._own_loop = True
             try:
                 result = super().start(grid, initial_arrays, num_rounds - len(done), timeout, train_config,
                                        evaluate_config, self._end_of_round(evaluate_fn, source))  # fmt: skip
@@ -257,6 +266,8 @@ class TrustStrategy(FedAvg):
                 if self.run is not None:
                     self.run.interrupt(self.history, num_rounds, error)
                 raise
+            finally:
+                self._own_loop = False
             if self.run is not None:
                 self.run.finish(self.history, num_rounds)
         return self._whole(result, initial_arrays, done)
@@ -325,6 +336,13 @@ class TrustStrategy(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         t = server_round + self._offset
+        if not self._own_loop and self.run is not None:
+            raise ValueError(
+                f"TrustStrategy(run_dir={str(self.run.store.dir)!r}): the run directory is written by "
+                "TrustStrategy.start, and another loop runs these rounds (a wrapper's start, such as "
+                "Flower's DifferentialPrivacy strategies'): it would stay empty. Drop run_dir there (the "
+                "rounds' records stay in the strategy's history), or run TrustStrategy.start itself"
+            )
         self.layout = self.layout or ArrayLayout(arrays)  # start's; one built here for a loop of one's own
         self.global_vector = self.layout.flatten(arrays)
         self._await_nodes(grid, self.fraction_train)
@@ -418,7 +436,15 @@ class TrustStrategy(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        t = server_round + self._offset
+        out = self._aggregate_train(server_round + self._offset, replies)
+        if not self._own_loop:  # no end-of-round call will come: the record joins the history now, and
+            # stays pending for the round's aggregate_evaluate, whose metrics are then the record's
+            record = self._pending
+            record["metrics"], record["metrics_source"] = record.get("evaluate_metrics"), "nodes"
+            self.history.append(record)
+        return out
+
+    def _aggregate_train(self, t: int, replies: Iterable[Message]) -> tuple[ArrayRecord, MetricRecord]:
         replies = list(replies)
         required = [
             self.train_loss_key if k == "train_loss" else k for k in getattr(self.rule, "requires", ())
@@ -566,6 +592,8 @@ class TrustStrategy(FedAvg):
         metrics = self._aggregate_metrics(accepted, self.evaluate_metrics_aggr_fn, "aggregate_evaluate")
         if self._pending is not None:
             self._pending["evaluate_metrics"] = metrics
+            if not self._own_loop:  # the record is in the history already (aggregate_train)
+                self._pending["metrics"] = metrics
         return MetricRecord(metrics)
 
 
