@@ -2,9 +2,10 @@
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -99,3 +100,23 @@ def accuracy(arrays):
 
 def run(strategy, grid, rounds=3):
     return strategy.start(grid=grid, initial_arrays=initial(), num_rounds=rounds)
+
+
+def far(grid, partitions, scale=1e11):
+    """``grid`` with the nodes of ``partitions`` replying with their model replaced by +-``scale`` in
+    every entry (signs of their own), as a broken or hostile node might."""
+    for k in partitions:
+        app, config = grid.nodes[100 + k]
+
+        def replaced(msg, context, app=app, k=k):
+            reply = app(msg, context)
+            if reply.has_content():
+                for record in reply.content.array_records.values():
+                    for name in list(record.keys()):
+                        a = record[name].numpy()
+                        signs = np.random.default_rng(k).choice([-1.0, 1.0], size=a.shape).astype(a.dtype)
+                        record[name] = Array(scale * signs)
+            return reply
+
+        grid.nodes[100 + k] = (replaced, config)
+    return grid

@@ -12,6 +12,7 @@ from flower_grid import (  # noqa: E402
     DIGITS,
     InProcessGrid,
     accuracy,
+    far,
     federation,
     initial,
     model,
@@ -747,3 +748,37 @@ def test_a_run_directory_a_wrapper_would_leave_empty_is_refused_before_anyone_tr
         run(dp, grid)
     assert Counting.sent == 0
     assert not any((tmp_path / "run").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize(
+    ("rule", "options", "parts", "far_ones"),
+    [
+        ("ivar_vb", {}, 5, [4]),
+        ("ivar_mle", {}, 5, [4]),
+        ("icov_vb", {}, 5, [4]),
+        ("icov_mle", {}, 6, [4, 5]),
+        ("icov_mle", {"sybils": "off"}, 6, [4, 5]),
+        ("ivar_vb", {"sybils": "off"}, 6, [4, 5]),
+    ],
+)
+def test_nodes_sending_the_model_far_off_take_nothing_from_the_trust_rules_model(
+    rule, options, parts, far_ones
+):
+    """Nodes replying +-1e11 in every entry get trust ~1e-26 and the model ends where the honest nodes
+    alone take it (2 rounds). IVAR-VB, IVAR-MLE and ICOV-VB gave one such node of five a trust of 2e-12 to
+    5e-12 (0.2-0.5 per entry in the model; fixed in 947f2bb-cf61307); with two of six ICOV-MLE ended at
+    0.731 (0.102 with sybils="off") and IVAR-VB with "off" at 0.598, against 0.816 and 0.849 without
+    them."""
+    grid = far(federation(parts=parts), far_ones)
+    strategy = TrustStrategy(
+        rule=rule, rule_options=options, fraction_evaluate=0.0, min_available_nodes=parts
+    )
+    attacked = accuracy(run(strategy, grid, rounds=2).arrays)
+    assert sum(strategy.trust()[f"partition-{k}"] for k in far_ones) < 1e-20
+    honest = federation(parts=parts)
+    for k in far_ones:
+        del honest.nodes[100 + k]
+    alone = TrustStrategy(
+        rule=rule, rule_options=options, fraction_evaluate=0.0, min_available_nodes=len(honest.nodes)
+    )
+    assert attacked == pytest.approx(accuracy(run(alone, honest, rounds=2).arrays), abs=0.02)
