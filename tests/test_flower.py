@@ -724,6 +724,11 @@ def test_wrapped_in_flowers_differential_privacy_every_round_keeps_its_record():
     assert inner.history[-1]["metrics"]["accuracy"] == pytest.approx(
         result.evaluate_metrics_clientapp[3]["accuracy"]
     )
+    first = [inner.trust(t) for t in range(3)]
+    run(dp, federation(bad={2: {"fedtrust-corruption": "random_labels"}}))  # a second run: a new one
+    assert [r["round"] for r in inner.history] == [1, 2, 3]
+    for t in range(3):
+        assert inner.trust(t) == pytest.approx(first[t])
 
 
 def test_a_run_directory_a_wrapper_would_leave_empty_is_refused_before_anyone_trains(tmp_path):

@@ -660,3 +660,26 @@ def test_a_squarem_jump_out_of_icov_vbs_domain_is_not_taken():
     res = icov_vb(x, source_keys=["a", "b", "c"])
     assert res.converged and torch.isfinite(res.consensus).all()
     torch.testing.assert_close(res.weights.sum(1), torch.ones(2, dtype=torch.float64))
+
+
+def test_icov_restricted_likelihood_reads_residuals_about_any_centre():
+    """tr(P_i S_i) with P_i 1 = 0: the residual Gram about the plain mean, the coordinate-wise median or
+    any other point common to a task's sources gives the same likelihood and gradient (ICOV-MLE takes
+    it about its statistics' own centre), with sources missing from tasks."""
+    x, mask, _, _ = planted(tasks=8, k=5, missing=0.2, seed=7)
+    t = as_tasks(x, mask)
+    from fedtrust.inference.icov import _phi
+    from fedtrust.inference.tasks import residual_gram
+
+    g = torch.Generator().manual_seed(0)
+    theta = {
+        "V": torch.randn(6, 2, generator=g, dtype=torch.float64),
+        "log_noise": torch.randn(6, generator=g, dtype=torch.float64),
+        "log_su2": torch.tensor(-0.5, dtype=torch.float64),
+    }
+    plain = weighted_sums(t, mask.double() / mask.sum(1, keepdim=True))
+    elsewhere = 3.0 + torch.randn(plain.shape, generator=g, dtype=torch.float64)
+    ll, grad = icov_loglik(_phi(theta), mask, residual_gram(t, plain), 5)
+    ll2, grad2 = icov_loglik(_phi(theta), mask, residual_gram(t, elsewhere), 5)
+    torch.testing.assert_close(ll2, ll, rtol=1e-10, atol=0)
+    torch.testing.assert_close(grad2, grad, rtol=1e-8, atol=1e-10)

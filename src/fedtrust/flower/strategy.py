@@ -82,9 +82,9 @@ class TrustStrategy(FedAvg):
     **Another loop.** A wrapper whose own ``start`` runs the rounds (Flower's ``DifferentialPrivacy...``
     strategies) calls ``configure_train``/``aggregate_train``/``aggregate_evaluate`` itself: each round's
     record then joins ``history`` when the round is aggregated, its ``metrics`` the nodes' evaluation
-    (the server's ``evaluate_fn`` is the wrapper's). A ``run_dir`` is refused there at the first round,
-    before any node trains: its resume, manifest and checkpoints are ``start``'s (the wrapper left it
-    empty without a word).
+    (the server's ``evaluate_fn`` is the wrapper's), and its round 1 begins a new run, as ``start``
+    does. A ``run_dir`` is refused there at the first round, before any node trains: its resume,
+    manifest and checkpoints are ``start``'s (the wrapper left it empty without a word).
 
     Rules with an ``observe`` hook (ARFL) get every node's train_loss at the initial model through a QUERY
     round first. For FedAG the posterior variance travels to the nodes as the ``posterior-var``
@@ -335,14 +335,17 @@ class TrustStrategy(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        t = server_round + self._offset
         if not self._own_loop and self.run is not None:
             raise ValueError(
                 f"TrustStrategy(run_dir={str(self.run.store.dir)!r}): the run directory is written by "
                 "TrustStrategy.start, and another loop runs these rounds (a wrapper's start, such as "
-                "Flower's DifferentialPrivacy strategies'): it would stay empty. Drop run_dir there (the "
-                "rounds' records stay in the strategy's history), or run TrustStrategy.start itself"
+                "Flower's DifferentialPrivacy strategies', or calls of one's own): it would stay empty. "
+                "Drop run_dir there (the rounds' records stay in the strategy's history), or run "
+                "TrustStrategy.start itself"
             )
+        if not self._own_loop and server_round == 1:  # another loop's new run (a wrapper's second start
+            self._begin()  # appended to the first's history and went on from its reputations)
+        t = server_round + self._offset
         self.layout = self.layout or ArrayLayout(arrays)  # start's; one built here for a loop of one's own
         self.global_vector = self.layout.flatten(arrays)
         self._await_nodes(grid, self.fraction_train)

@@ -222,15 +222,6 @@ class TaskGram:
         out = quad + 2 * delta[:, None] * cross + (delta.square() * self.mean_sq)[:, None]
         return out.clamp_min(0) * mask
 
-    def residual_gram(self, w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(I, J, J): S_i = sum_k r_ijk r_ij'k with r_ij = x_ij - sum_l w_il x_il, zero where missing (where
-        the statistics are: ``w`` and ``mask`` are moved there)."""
-        w, m = w.to(self.centred.device), mask.to(self.centred.device, torch.float64)
-        eye = torch.eye(w.shape[1], dtype=torch.float64, device=w.device)
-        b = (eye - w[:, :, None]) * m[:, None, :]  # column j: e_j - w_i (zero for absent j)
-        s = self.form(b, b)
-        return (s + s.transpose(1, 2)) / 2
-
 
 class TaskPasses:
     """The direct alternative to :class:`TaskGram`: each evaluation of the residuals is one fused pass
