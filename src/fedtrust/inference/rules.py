@@ -134,9 +134,9 @@ def _start(groups: Groups, members: list, fresh: torch.Tensor) -> torch.Tensor:
     return torch.where(missing.reshape(-1, *([1] * (pooled.dim() - 1))), fresh, pooled)
 
 
-def _about_median_if_far(round: Round, norms: torch.Tensor | None, groups: Groups) -> Groups:
-    """``groups`` with their representatives' moments about the coordinate-wise median where the grouping
-    took none (``sybils="off"``, ``"copies"``) and some update's squared norm is beyond
+def _about_median_if_far(reps: torch.Tensor, norms: torch.Tensor | None, groups: Groups) -> Groups:
+    """``groups`` with their representatives' (``reps``) moments about the coordinate-wise median where
+    the grouping took none (``sybils="off"``, ``"copies"``) and some update's squared norm is beyond
     :data:`~fedtrust.inference.tasks.FAR` times the median one's (three groups or more): the estimators
     then start from each source's distance to that centre, not to the plain mean a far update drags
     (:func:`~fedtrust.inference.tasks.mean_noise`). One client at 1e12 per coordinate beside four honest
@@ -148,7 +148,7 @@ def _about_median_if_far(round: Round, norms: torch.Tensor | None, groups: Group
     largest, median = torch.stack([sq.max(), sq.median()]).tolist()
     if not largest > FAR * median:
         return groups
-    _, moments = median_moments(_representatives(round, groups).updates)
+    _, moments = median_moments(reps)
     return groups if moments is None else replace(groups, moments=moments)
 
 
@@ -224,6 +224,7 @@ class _WindowRule(BaseRule):
         if (out := self._degenerate(round, groups)) is not None:
             return out
         fit_round = _representatives(round, groups)
+        groups = _about_median_if_far(fit_round.updates, first.norms, groups)
         # the first pass's norms serve the estimator's own passes when it sees the round itself, and the
         # grouping's Gram pass (the representatives' moments about the median) its iterations
         task = _task(fit_round, first.norms if groups.trivial else None, groups.moments)
@@ -279,10 +280,8 @@ class _WindowRule(BaseRule):
         if self.sybils == "off":
             if round.n > 1 and all_identical(round.updates):
                 return Groups.one(round.n, f"{round.n} identical updates")
-            groups = Groups.singletons(round.n)
-        else:
-            groups = find_groups(round.updates, first.norms, sketch=first.value, sybils=self.sybils)
-        return _about_median_if_far(round, first.norms, groups)
+            return Groups.singletons(round.n)
+        return find_groups(round.updates, first.norms, sketch=first.value, sybils=self.sybils)
 
     def _share_info(self, round: Round, groups: Groups) -> dict:
         return {} if self.sybils == "off" else {"groups": groups.info(round.client_ids)}
