@@ -101,6 +101,21 @@ def test_custom_keys_metric_functions_and_sampling_are_honoured():
     assert strategy.history[-1]["dropped"] == {}
 
 
+def test_a_node_metric_named_as_the_strategys_own_is_kept_beside_them():
+    """The nodes' metrics share the round's MetricRecord with trust per node and the dropped and
+    quarantined counts: a node metric of one of their names comes as node/<name> (it was overwritten)."""
+
+    def clashing(records, weight_key):
+        return MetricRecord({"dropped": 7.0, "trust/partition-0": 0.5, "loss": 1.0})
+
+    strategy = TrustStrategy(rule="median", min_available_nodes=4, train_metrics_aggr_fn=clashing)
+    train = dict(run(strategy, federation(), rounds=1).train_metrics_clientapp[1])
+    assert train["node/dropped"] == 7.0 and train["node/trust/partition-0"] == 0.5 and train["loss"] == 1.0
+    record = strategy.history[-1]
+    assert train["trust/partition-0"] == record["weights"][record["clients"].index("partition-0")] != 0.5
+    assert train["dropped"] == 0 and train["quarantined"] == 0
+
+
 def test_a_zero_fraction_skips_training_or_evaluation_as_fedavg_does(tmp_path):
     result = run(TrustStrategy(rule="median", fraction_evaluate=0.0, min_available_nodes=4), federation())
     assert result.evaluate_metrics_clientapp == {} and len(result.train_metrics_clientapp) == 3

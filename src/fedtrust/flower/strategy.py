@@ -64,7 +64,8 @@ class TrustStrategy(FedAvg):
 
     **Trust per node.** The round's MetricRecord holds the clients' metrics aggregated by
     ``train_metrics_aggr_fn`` (weighted by ``weighted_by_key``, as ``FedAvg``) and ``trust/<name>`` per
-    node, plus ``dropped`` and ``quarantined`` counts. A node's name is the one it gives
+    node, plus ``dropped`` and ``quarantined`` counts (a node metric of one of these names comes as
+    ``node/<name>``). A node's name is the one it gives
     (:mod:`fedtrust.flower.replies`: its ``partition-id`` or node config ``node-name`` with
     :func:`~fedtrust.flower.trust_client_app`), else its node id. ``identity`` says what keys the rules'
     reputations: ``"node-id"`` (default: assigned by the SuperLink; with SuperNode authentication bound to
@@ -504,7 +505,8 @@ class TrustStrategy(FedAvg):
         kept = [r for r in accepted if str(self._key(r)) not in step.quarantined]
         aggregated = self._aggregate_metrics(kept, self.train_metrics_aggr_fn, "aggregate_train")
         trust = {f"trust/{name}": w for name, w in zip(names, step.weights, strict=True)}
-        out = {**aggregated, **trust, "dropped": len(dropped), "quarantined": len(step.quarantined)}
+        own = {**trust, "dropped": len(dropped), "quarantined": len(step.quarantined)}
+        out = {**_beside(aggregated, own, t), **own}
         record["train_metrics"] = out
         return self.layout.unflatten(step.vector), MetricRecord(out)
 
@@ -631,6 +633,18 @@ class ServerReference:
                 ) from None
             self._update = trained - self.start
         return self._update
+
+
+def _beside(metrics: dict[str, Any], own: dict[str, Any], t: int) -> dict[str, Any]:
+    """The nodes' aggregated ``metrics`` beside the strategy's ``own`` (trust per node, counts): a node
+    metric of one of their names is kept as ``node/<name>``, and the round logs it (it was overwritten
+    without a word)."""
+    clash = sorted(k for k in metrics if k in own)
+    if not clash:
+        return metrics
+    log(WARNING, "aggregate_train: round %d: the nodes' metrics %s are named as the strategy's own; they "
+        "are reported as %s", t, clash, [f"node/{k}" for k in clash])  # fmt: skip
+    return {(f"node/{k}" if k in own else k): v for k, v in metrics.items()}
 
 
 def _finite_metrics(metrics: dict[str, Any]) -> bool:
