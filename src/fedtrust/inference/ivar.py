@@ -20,9 +20,11 @@ from fedtrust.inference.tasks import (
     TaskGram,
     TaskPasses,
     as_tasks,
+    dragged_start,
     mean_noise,
     not_below_centre,
     stats_on,
+    upper_median,
     weighted_sums,
 )
 
@@ -133,9 +135,12 @@ def ivar_mle(
     gram = TaskPasses(t) if direct and t.gram is None else TaskGram.of(t)
     tol = resolve_tol(tol, t.x.dtype)
     past = stats_on(past or IvarPast.empty(sources), host)
-    first = torch.ones(sources, dtype=torch.float64) if init_noise is None else (
-        start_noise(t, init_noise, gram).to(host)
-    )  # fmt: skip
+    if init_noise is not None:
+        first = start_noise(t, init_noise, gram).to(host)
+    elif (robust := dragged_start(t, gram)) is not None:  # a far source drags the plain mean
+        first = robust.to(host)
+    else:
+        first = torch.ones(sources, dtype=torch.float64)
     if isinstance(gram, TaskGram):
         gram = stats_on(gram, host)
     count = m.sum(0) + past.count
@@ -156,7 +161,7 @@ def ivar_mle(
         r = r / k
         update = (r.sum(0) + past.total) / count.clamp_min(1)
         if floor is None:  # the first consensus (the plain mean, or the given noise's): the data's scale
-            floor = eps * max(_upper_median(update[count > 0]), torch.finfo(torch.float64).tiny)
+            floor = eps * max(upper_median(update[count > 0]), torch.finfo(torch.float64).tiny)
         noise = torch.where(count > 0, update.clamp_min(floor), noise)
         if it == 1:
             start = noise
@@ -181,12 +186,6 @@ def ivar_mle(
         tol=tol,
         past=stats_on(IvarPast(r.sum(0), m.sum(0)), device),
     )
-
-
-def _upper_median(x: torch.Tensor) -> float:
-    """The upper median: with two sources the lower one is the smaller, which a collapse takes to 0 (and
-    with it the floor that detects the collapse)."""
-    return float(x.sort().values[len(x) // 2])
 
 
 def _lone_source(t, past, count, tol) -> InferenceResult:

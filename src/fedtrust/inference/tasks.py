@@ -142,9 +142,13 @@ class TaskGram:
     centred: torch.Tensor
     cross: torch.Tensor
     mean_sq: torch.Tensor
-    #: Whether the centre is a robust location of the sources (:meth:`of_moments`), which no outlier drags:
-    #: each source's distance to it is then its starting noise (:func:`mean_noise`)
+    #: Whether the centre is a robust location of the sources (:meth:`of_moments`, or :meth:`of` where a far
+    #: source would drag the mean), which no outlier drags: each source's distance to it is then its
+    #: starting noise (:func:`mean_noise`)
     robust: bool = False
+    #: (I, J) float64, 1 where source j reported on task i, when some did not (a robust :meth:`of`); None:
+    #: every source reported on every task
+    present: torch.Tensor | None = None
 
     #: A residual below this fraction of the terms it is formed from (:meth:`unresolved`) is not resolved
     #: by the Gram's float32 products, as in :class:`~fedtrust.aggregators.passes.CombinationPasses`.
@@ -152,13 +156,29 @@ class TaskGram:
 
     @staticmethod
     def of(t: Tasks) -> TaskGram:
-        """The tasks' Gram statistics: ``t.gram`` when given, else one pass over the data."""
+        """The tasks' Gram statistics: ``t.gram`` when given, else one pass over the data about the plain
+        per-task mean, and a second about the per-task coordinate-wise median where some task holds an
+        estimate whose squared norm is :data:`FAR` times the median one of its task (:func:`far_entries`,
+        read from the first pass's statistics): the test a rule makes on its round's updates. About a
+        mean that a far source drags, the honest residuals are differences of the far source's terms: one
+        source at 1e9 per coordinate among four of spread 0.1 (20 tasks, float64), even with the sources
+        started from their distances to the median, put the honest variances at 1.4-4.3 instead of
+        0.007-0.014 in IVAR-VB's fit and collapsed IVAR-MLE onto one of them (its consensus twice the
+        honest mean's error from the truth)."""
         if t.gram is not None:
             return t.gram
+        plain = TaskGram._about(t, median=False)
+        return TaskGram._about(t, median=True) if far_entries(plain.sq_norms(), t.mask) else plain
+
+    @staticmethod
+    def _about(t: Tasks, median: bool) -> TaskGram:
+        """One pass: the statistics about each task's plain mean or, with ``median``, its coordinate-wise
+        median over the sources present (the lower middle value for an even count)."""
         i, j, _ = t.x.shape
         like = dict(dtype=t.x.dtype, device=t.x.device)
-        mask = None if bool(t.mask.all()) else t.mask[:, :, None].to(t.x.dtype)
+        missing = None if bool(t.mask.all()) else ~t.mask[:, :, None]
         plain = (t.m / t.m.sum(1, keepdim=True)).to(t.x.dtype)
+        centre = coordinate_median(t) if median else None
         chunks = list(t.chunks())
         # per-chunk float32 products land in buffers summed in float64 once; the residuals reuse one buffer
         parts = len(chunks)
@@ -167,16 +187,16 @@ class TaskGram:
         residual = torch.empty(i, j, chunks[0].stop - chunks[0].start, **like)
         for b, cols in enumerate(chunks):
             x = t.x[:, :, cols]
-            c = torch.einsum("ijk,ij->ik", x, plain)
+            c = torch.einsum("ijk,ij->ik", x, plain) if centre is None else centre[:, cols]
             r = torch.sub(x, c[:, None, :], out=residual[:, :, : x.shape[2]])
-            if mask is not None:
-                r.mul_(mask)
+            if missing is not None:
+                r.masked_fill_(missing, 0)
             centred[b] = row_gram(r)
             torch.bmm(r, c[:, :, None], out=cross[b])
             torch.linalg.vector_norm(c, dim=1, out=mean_sq[b]).square_()
         f64 = torch.float64
-        out = TaskGram(centred.to(f64).sum(0), cross[..., 0].to(f64).sum(0), mean_sq.to(f64).sum(0))
-        return out
+        return TaskGram(centred.to(f64).sum(0), cross[..., 0].to(f64).sum(0), mean_sq.to(f64).sum(0),
+                        robust=median, present=t.m if median else None)  # fmt: skip
 
     @staticmethod
     def of_moments(moments: Moments) -> TaskGram:
@@ -184,6 +204,10 @@ class TaskGram:
         about a robust centre (every source present): an aggregation rule's grouping takes them about the
         round's coordinate-wise median (:func:`~fedtrust.aggregators.sybils.correlated_groups`)."""
         return TaskGram(moments.gram[None], moments.cross[None], moments.centre_sq.reshape(1), robust=True)
+
+    def sq_norms(self) -> torch.Tensor:
+        """(I, J): ||x_ij||^2 = ||r_ij||^2 + 2 r_ij . c_i + ||c_i||^2 (meaningless where missing)."""
+        return self.centred.diagonal(dim1=1, dim2=2) + 2 * self.cross + self.mean_sq[:, None]
 
     def unresolved(self, residuals: torch.Tensor, w: torch.Tensor, mask: torch.Tensor) -> bool:
         """Whether some present residual (:meth:`residuals` with weights ``w``, summing to 1 per task) is
@@ -280,26 +304,43 @@ def typical(values: torch.Tensor) -> float:
 
 def mean_noise(t: Tasks, gram: TaskGram | TaskPasses | None = None) -> torch.Tensor:
     """(J,) float64: each source's mean squared distance (per coordinate) to the plain per-task mean, a
-    starting point for the noise variances (sources with no data get 1; zeros are floored); to the
-    statistics' robust centre instead where a far source drags the plain mean (:func:`dragged`: only
-    statistics about a rule's median have one: ``sybils="share"`` with three groups or more, ``"off"`` and
-    ``"copies"`` where an update's norm is far beyond the others'; a direct call of an estimator starts
-    from the plain mean as the papers do). One update of 1e9 per coordinate among four of 0.1 drags the
-    plain mean, and with it every source's distance, to 2e8 per coordinate; the iterations then brought
-    the honest variances down a few-fold at a time, the far weight with them, and stopped with it far
-    from its end (IVAR-VB in float32: at 1.6e-11, its consensus 0.25 of the signal's norm from the honest
-    mean; at 1e12 per coordinate, 16 per coordinate from the far source). From the median the far source
-    starts with about the weight it ends with. A direct call on a table with one source 1e6-1e9 times
-    farther than the others still starts from the plain mean: its consensus can end 1.5-7 times the
-    honest sources' mean error from the truth (20 tasks x 5 sources, K = 1)."""
+    starting point for the noise variances (sources with no data get 1; zeros are floored); to a robust
+    centre instead where a far source drags the plain mean (:func:`dragged_start`). One update of 1e9 per
+    coordinate among four of 0.1 drags the plain mean, and with it every source's distance, to 2e8 per
+    coordinate; the iterations then brought the honest variances down a few-fold at a time, the far
+    weight with them, and stopped with it far from its end (IVAR-VB in float32: at 1.6e-11, its consensus
+    0.25 of the signal's norm from the honest mean; at 1e12 per coordinate, 16 per coordinate from the far
+    source). From the median the far source starts with about the weight it ends with."""
+    plain = _plain_noise(t, gram)
+    robust = _robust_start(t, gram, plain)
+    return plain if robust is None else robust
+
+
+def dragged_start(t: Tasks, gram: TaskGram | TaskPasses) -> torch.Tensor | None:
+    """(J,): each source's mean squared distance (per coordinate) to a robust centre where a far source
+    drags the plain per-task mean (:func:`dragged`), else None: the statistics' own centre where it is
+    robust (a rule's median, or :meth:`TaskGram.of`'s where some estimate is far), else, for
+    :class:`TaskPasses`, the per-task coordinate-wise median, taken (one more pass) only where
+    :func:`has_far_entries`."""
+    if not (isinstance(gram, TaskGram) and gram.robust or has_far_entries(t, gram)):
+        return None
+    return _robust_start(t, gram, _plain_noise(t, gram))
+
+
+def _plain_noise(t: Tasks, gram: TaskGram | TaskPasses | None) -> torch.Tensor:
     m = t.m
     if gram is None:
         r = residual_sq(t, weighted_sums(t, m / m.sum(1, keepdim=True))) / t.shape[2]
     else:
         r = gram.residuals(m / m.sum(1, keepdim=True), m) / t.shape[2]
-    noise = _per_source(r, m)
-    robust = dragged(noise, gram, t.shape[2])
-    return noise if robust is None else robust
+    return _per_source(r, m)
+
+
+def _robust_start(t: Tasks, gram: TaskGram | TaskPasses | None, plain: torch.Tensor) -> torch.Tensor | None:
+    robust = dragged(plain, gram, t.shape[2])
+    if robust is None and isinstance(gram, TaskPasses) and has_far_entries(t, gram):
+        robust = _drags(plain, _per_source(residual_sq(t, coordinate_median(t)) / t.shape[2], t.m))
+    return robust
 
 
 def dragged(plain: torch.Tensor, gram: TaskGram | TaskPasses | None, k: int) -> torch.Tensor | None:
@@ -310,14 +351,61 @@ def dragged(plain: torch.Tensor, gram: TaskGram | TaskPasses | None, k: int) -> 
     if not (isinstance(gram, TaskGram) and gram.robust):
         return None
     m = _present(gram)
-    robust = _per_source(gram.centred.diagonal(dim1=1, dim2=2) * m / k, m)
-    return robust if float(plain.median()) > FAR * float(robust.median()) else None
+    return _drags(plain, _per_source(gram.centred.diagonal(dim1=1, dim2=2) * m / k, m))
+
+
+def _drags(plain: torch.Tensor, robust: torch.Tensor) -> torch.Tensor | None:
+    """``robust``, the sources' distances to a robust centre, where their typical distance to the plain
+    mean, ``plain``, is :data:`FAR` times their typical distance to it; None otherwise."""
+    return robust if float(plain.median()) > FAR * upper_median(robust) else None
+
+
+def upper_median(x: torch.Tensor) -> float:
+    """The upper median of a vector: of sources' distances to a coordinate-wise median, the lower one can
+    be a source's distance to itself (in one coordinate the median is one of the values), floored near 0;
+    of IVAR-MLE's, the one a collapse takes to 0 with two sources."""
+    return float(x.sort().values[len(x) // 2])
+
+
+def coordinate_median(t: Tasks) -> torch.Tensor:
+    """(I, K): each task's coordinate-wise median over the sources present (the lower middle value for an
+    even count), a chunk of coordinates at a time."""
+    out = torch.empty(t.shape[0], t.shape[2], dtype=t.x.dtype, device=t.x.device)
+    missing = None if bool(t.mask.all()) else ~t.mask[:, :, None]
+    for cols in t.chunks():
+        x = t.x[:, :, cols]
+        out[:, cols] = (x if missing is None else x.masked_fill(missing, torch.nan)).nanmedian(1).values
+    return out
 
 
 def _present(gram: TaskGram) -> torch.Tensor:
-    """The observation mask of statistics about a robust centre, where they are (the host: a rule's): every
-    source present in its one task (:meth:`TaskGram.of_moments`), so none moves from the data's device."""
+    """The observation mask of statistics about a robust centre, where they are (the host, for a rule's,
+    whose every source is present in its one task: :meth:`TaskGram.of_moments`, so none moves from the
+    data's device)."""
+    if gram.present is not None:
+        return gram.present.to(gram.centred.device)
     return torch.ones(gram.centred.shape[:2], dtype=gram.centred.dtype, device=gram.centred.device)
+
+
+def has_far_entries(t: Tasks, gram: TaskGram | TaskPasses) -> bool:
+    """:func:`far_entries` of the tasks' estimates, their squared norms read from ``t.norms`` or the
+    statistics (a :class:`TaskGram`'s, or the first pass that :class:`TaskPasses` take anyway)."""
+    if t.norms is not None:
+        sq = t.norms.to(torch.float64).square().reshape(t.mask.shape)
+    elif isinstance(gram, TaskGram):
+        sq = gram.sq_norms()
+    else:
+        sq = gram.passes.norms().reshape(t.mask.shape)
+    return far_entries(sq, t.mask)
+
+
+def far_entries(sq: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether some task holds an estimate whose squared norm, ``sq`` (I, J), is :data:`FAR` times the
+    median one of the estimates present in its task (``mask``; per task: tasks may differ in scale by any
+    factor)."""
+    present = mask.to(sq.device)
+    median = torch.where(present, sq, torch.nan).nanmedian(1, keepdim=True).values
+    return bool(((sq > FAR * median) & present).any())
 
 
 def _per_source(r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
