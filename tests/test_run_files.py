@@ -572,6 +572,45 @@ def test_a_model_whose_outputs_overflow_fails_the_run_though_its_weights_are_fin
     assert len(records) < 5 and store.manifest()["status"] == "failed"
 
 
+def strict_json(text: str):
+    """JSON as strict readers parse it (JavaScript's JSON.parse): no NaN or Infinity literals."""
+
+    def refuse(literal):
+        raise ValueError(f"{literal} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_run_files_are_strict_json_and_give_their_non_finite_numbers_back(tmp_path):
+    """A refused round's weights are NaN and a diverged model's loss is NaN or inf: the files write them
+    as proto3's JSON mapping does ("NaN", "Infinity"), so every JSON reader parses them (JavaScript's
+    JSON.parse refused Python's NaN literals, jq 1.7 read them as null), and fedtrust reads the numbers
+    back; a record's hash, which a checkpoint keeps, is the same before and after."""
+    store = RunStore(tmp_path)
+    record = {"round": 1, "clients": ["NaN", "b"], "corrupted": [False, True], "weights": [math.nan, 0.5],
+              "metrics": {"loss": math.inf, "accuracy": 0.1, "curve": [1.0, -math.inf]}, "auroc": math.nan,
+              "error": None, "info": {"lambda": math.nan}, "quarantined": {}, "dropped": {}}  # fmt: skip
+    store.append_round(record)
+    store.write_manifest({"status": "failed", "final": {"loss": math.nan, "round": 1}})
+    (line,) = store.rounds_path.read_text().splitlines()
+    assert strict_json(line)["weights"] == ["NaN", 0.5] and strict_json(store.manifest_path.read_text())
+    (back,) = store.rounds()
+    assert back["clients"] == ["NaN", "b"] and math.isnan(back["weights"][0]) and math.isnan(back["auroc"])
+    assert back["metrics"]["loss"] == math.inf and back["metrics"]["curve"] == [1.0, -math.inf]
+    assert back["info"] == {"lambda": "NaN"}  # free-form: as written
+    assert RunStore.record_digest(back) == RunStore.record_digest(record)
+    assert math.isnan(store.manifest()["final"]["loss"])
+
+
+def test_a_run_whose_rounds_all_failed_writes_strict_json(tmp_path):
+    every_client_crashes = {"name": "crash", "fraction": 1.0}
+    outcome = run_experiment(config(corruption=every_client_crashes), tmp_path, progress=False)[0]
+    store = RunStore(outcome.directory)
+    lines = store.rounds_path.read_text().splitlines()
+    assert lines and all(strict_json(line)["weights"][0] == "NaN" for line in lines)
+    assert all(math.isnan(w) for r in store.rounds() for w in r["weights"])
+
+
 def test_a_finished_run_counts_the_rounds_its_rule_could_not_aggregate(tmp_path):
     from fedtrust.aggregators import RoundRefused
 

@@ -6,9 +6,10 @@
     checkpoint.prev.safetensors the one before it, kept in case the newest is damaged
     .lock, .lock.holder.json    one writer at a time, and who it is
 
-Every file is written atomically or appended line by line with a sync; every reader either returns
-exactly what was written or raises :class:`~fedtrust.checkpoint.CorruptFileError` naming the file, the
-fault and the remedy.
+The JSON files are strict JSON (:func:`dumps`: a non-finite number as the string proto3's JSON mapping
+gives it). Every file is written atomically or appended line by line with a sync; every reader either
+returns exactly what was written or raises :class:`~fedtrust.checkpoint.CorruptFileError` naming the
+file, the fault and the remedy.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import socket
@@ -142,6 +144,62 @@ ROUND_FIELDS = {
 _GROUPS = _list_of(lambda group: isinstance(group, dict) and isinstance(group.get("clients"), list))
 
 
+#: How the run files write a number JSON has no literal for, as proto3's JSON mapping does: strings, so that
+#: every JSON reader parses the files and keeps them (JavaScript's JSON.parse refuses Python's NaN and
+#: Infinity literals, jq 1.7 reads them as null); the readers here turn them back into numbers where a
+#: number belongs (weights, metrics, AUROC, final).
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def strict(value: Any) -> Any:
+    """``value`` with every non-finite float, at any depth of its dicts and lists, as its
+    :data:`NON_FINITE` string."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict(v) for v in value]
+    return value
+
+
+def dumps(value: Any, **options: Any) -> str:
+    """Strict JSON of ``value`` (:func:`strict`)."""
+    return json.dumps(strict(value), allow_nan=False, **options)
+
+
+def _number(value: Any) -> Any:
+    """A number (or a list of numbers) read back: :data:`NON_FINITE`'s strings as their floats."""
+    if isinstance(value, list):
+        return [_number(v) for v in value]
+    return NON_FINITE.get(value, value) if isinstance(value, str) else value
+
+
+def _numbers(values: Any) -> Any:
+    """A dict of metrics read back (:func:`_number` of each)."""
+    return {k: _number(v) for k, v in values.items()} if isinstance(values, dict) else values
+
+
+#: The fields of a round's record that hold numbers, or dicts of metrics, and of a manifest's metrics.
+ROUND_NUMBERS, ROUND_METRICS, MANIFEST_METRICS = (
+    ("weights", "auroc", "train_loss"),
+    ("metrics", "train_metrics", "evaluate_metrics"),
+    ("final", "initial_metrics"),
+)
+
+
+def numbers_read_back(record: dict[str, Any]) -> dict[str, Any]:
+    """A round's record as written (:func:`strict`) with its numbers back (:data:`ROUND_NUMBERS`,
+    :data:`ROUND_METRICS`); other fields (``info``) keep the strings."""
+    for key in ROUND_NUMBERS:
+        if key in record:
+            record[key] = _number(record[key])
+    for key in ROUND_METRICS:
+        if key in record:
+            record[key] = _numbers(record[key])
+    return record
+
+
 def _shown(value: Any) -> str:
     return json.dumps(value)[:80]
 
@@ -240,6 +298,9 @@ class RunStore:
             ) from None
         if not isinstance(manifest, dict):
             raise CorruptFileError(f"{self.manifest_path} is not a JSON object; {START_OVER}")
+        for key in MANIFEST_METRICS:
+            if key in manifest:
+                manifest[key] = _numbers(manifest[key])
         for key, kind in MANIFEST_FIELDS.items():  # (a field's parent is checked before it)
             value = field_at(manifest, key)
             if value is not None and not isinstance(value, kind):
@@ -262,7 +323,7 @@ class RunStore:
         return records if problem is None and len(records) == rounds else None
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
-        atomic_write(self.manifest_path, json.dumps(manifest, indent=1, default=str))
+        atomic_write(self.manifest_path, dumps(manifest, indent=1, default=str))
 
     def update_manifest(self, **fields: Any) -> None:
         m = self.manifest() or {}
@@ -290,6 +351,8 @@ class RunStore:
                 record = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 return records, f"{where} is not a JSON record (garbled)"
+            if isinstance(record, dict):
+                record = numbers_read_back(record)
             if not isinstance(record, dict) or record.get("round") != len(records) + 1:
                 found = record.get("round") if isinstance(record, dict) else record
                 return records, f"{where} holds round {found!r}, expected round {len(records) + 1}"
@@ -310,14 +373,14 @@ class RunStore:
 
     def write_rounds(self, records: list[dict[str, Any]]) -> None:
         """Replace rounds.jsonl by ``records`` (those of rounds 1..k that a resume keeps)."""
-        atomic_write(self.rounds_path, "".join(json.dumps(r) + "\n" for r in records))
+        atomic_write(self.rounds_path, "".join(dumps(r) + "\n" for r in records))
 
     @staticmethod
     def record_digest(record: dict[str, Any]) -> str:
         """A short hash of a round's record as rounds.jsonl holds it: a checkpoint keeps the hash of the
         record of its round, so that it is resumed only after these very records (a checkpoint copied
         from another run's folder is not this run's, whatever its round)."""
-        return hashlib.sha256(json.dumps(record).encode()).hexdigest()[:16]
+        return hashlib.sha256(dumps(record).encode()).hexdigest()[:16]
 
     def follows(self, state: dict[str, Any], records: list[dict[str, Any]]) -> bool:
         """Whether the checkpoint ``state`` follows ``records``, the readable records up to its round: the
@@ -328,7 +391,7 @@ class RunStore:
 
     def append_round(self, record: dict[str, Any]) -> None:
         with open(self.rounds_path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+            fh.write(dumps(record) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
 
