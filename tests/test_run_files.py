@@ -3,6 +3,7 @@ detected and named, a run resumes from its last good checkpoint, one process wri
 a run is identified by what it computes, and a failed run says so."""
 
 import functools
+import hashlib
 import json
 import math
 import os
@@ -600,6 +601,21 @@ def test_run_files_are_strict_json_and_give_their_non_finite_numbers_back(tmp_pa
     assert back["info"] == {"lambda": "NaN"}  # free-form: as written
     assert RunStore.record_digest(back) == RunStore.record_digest(record)
     assert math.isnan(store.manifest()["final"]["loss"])
+    # every dict of metrics (a Flower round's server_metrics go back into Flower's MetricRecord)
+    store.write_rounds([{**record, "server_metrics": {"loss": math.nan}}])
+    assert math.isnan(store.rounds()[0]["server_metrics"]["loss"])
+
+
+def test_a_checkpoint_written_before_the_files_were_strict_json_still_follows_its_records(tmp_path):
+    """A record with a NaN written by earlier fedtrust (Python's NaN literal) and the hash its checkpoint
+    kept then: a Flower run resumes across fedtrust versions, and was refused as another run's."""
+    store = RunStore(tmp_path)
+    record = {"round": 1, "clients": ["a"], "corrupted": [False], "weights": [math.nan], "error": "refused",
+              "info": {"lambda": math.nan}}  # fmt: skip
+    store.rounds_path.write_text(json.dumps(record) + "\n")
+    before = hashlib.sha256(json.dumps(record).encode()).hexdigest()[:16]
+    assert store.follows({"after": before}, store.rounds())
+    assert not store.follows({"after": "0" * 16}, store.rounds())
 
 
 def test_a_run_whose_rounds_all_failed_writes_strict_json(tmp_path):

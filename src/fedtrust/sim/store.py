@@ -180,22 +180,19 @@ def _numbers(values: Any) -> Any:
     return {k: _number(v) for k, v in values.items()} if isinstance(values, dict) else values
 
 
-#: The fields of a round's record that hold numbers, or dicts of metrics, and of a manifest's metrics.
-ROUND_NUMBERS, ROUND_METRICS, MANIFEST_METRICS = (
-    ("weights", "auroc", "train_loss"),
-    ("metrics", "train_metrics", "evaluate_metrics"),
-    ("final", "initial_metrics"),
-)
+#: The fields of a round's record that hold numbers (besides its dicts of metrics: ``metrics`` and every
+#: ``*_metrics``), and a manifest's dicts of metrics.
+ROUND_NUMBERS, MANIFEST_METRICS = ("weights", "auroc", "train_loss"), ("final", "initial_metrics")
 
 
 def numbers_read_back(record: dict[str, Any]) -> dict[str, Any]:
-    """A round's record as written (:func:`strict`) with its numbers back (:data:`ROUND_NUMBERS`,
-    :data:`ROUND_METRICS`); other fields (``info``) keep the strings."""
-    for key in ROUND_NUMBERS:
-        if key in record:
+    """A round's record as written (:func:`strict`) with its numbers back (:data:`ROUND_NUMBERS` and the
+    dicts of metrics: a resumed Flower run hands its rounds' ``server_metrics`` to Flower's MetricRecord,
+    which takes numbers only); other fields (``info``) keep the strings."""
+    for key in record:
+        if key in ROUND_NUMBERS:
             record[key] = _number(record[key])
-    for key in ROUND_METRICS:
-        if key in record:
+        elif key == "metrics" or key.endswith("_metrics"):
             record[key] = _numbers(record[key])
     return record
 
@@ -385,9 +382,16 @@ class RunStore:
     def follows(self, state: dict[str, Any], records: list[dict[str, Any]]) -> bool:
         """Whether the checkpoint ``state`` follows ``records``, the readable records up to its round: the
         hash it keeps (``after``) is that of the last of them. A checkpoint without one (written before
-        fedtrust kept it) is taken as it is."""
+        fedtrust kept it) is taken as it is, and so is the hash of a record written with Python's NaN and
+        Infinity literals, before the files were strict JSON (a Flower run resumes across fedtrust
+        versions)."""
         after = state.get("after")
-        return after is None or (bool(records) and after == self.record_digest(records[-1]))
+        if after is None:
+            return True
+        if not records:
+            return False
+        legacy = hashlib.sha256(json.dumps(records[-1]).encode()).hexdigest()[:16]
+        return after in (self.record_digest(records[-1]), legacy)
 
     def append_round(self, record: dict[str, Any]) -> None:
         with open(self.rounds_path, "a") as fh:
