@@ -416,6 +416,21 @@ def test_a_far_source_does_not_drag_a_direct_estimate(fn, sources, k, bad, dtype
     assert max(ratios) < 1.3, ratios
 
 
+@pytest.mark.parametrize("far", [300.0, 1e9])
+def test_passes_and_gram_statistics_start_a_far_table_alike(far):
+    """IVAR-MLE iterates by passes over many sources and by Gram statistics over few: both decide alike
+    whether a far source drags the plain mean, and start the sources from the same distances to the
+    tasks' coordinate-wise median. (The passes' test read their norms as squared norms, so a source 300
+    times the others' norm, 9e4 in square, went unnoticed there.)"""
+    from fedtrust.inference.tasks import TaskGram, TaskPasses, dragged_start
+
+    x, _, _ = tasks_with_far_sources(far, 0, 30, 4, 3, torch.float64, missing=0.2)
+    t = as_tasks(x)
+    by_gram, by_passes = dragged_start(t, TaskGram.of(t)), dragged_start(t, TaskPasses(t))
+    assert by_gram is not None and by_passes is not None
+    torch.testing.assert_close(by_passes, by_gram.to(by_passes), rtol=1e-9, atol=0)
+
+
 def test_one_client_scaled_by_a_million_does_not_refuse_an_icov_vb_round():
     """SQUAREM's extrapolated jump can leave the model's domain (a prior variance at 0): that jump is not
     taken, the plain step is (Varadhan and Roland's safeguard), and the round aggregates without the

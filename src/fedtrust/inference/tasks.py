@@ -395,7 +395,7 @@ def has_far_entries(t: Tasks, gram: TaskGram | TaskPasses) -> bool:
     elif isinstance(gram, TaskGram):
         sq = gram.sq_norms()
     else:
-        sq = gram.passes.norms().reshape(t.mask.shape)
+        sq = gram.passes.norms().reshape(t.mask.shape).square()  # (the passes keep norms, not squares)
     return far_entries(sq, t.mask)
 
 
