@@ -86,7 +86,7 @@ from fedtrust.inference.icov import IcovMlePast, IcovVbPast, check_latent_dim, i
 from fedtrust.inference.ivar import IvarPast, ivar_mle, ivar_vb
 from fedtrust.inference.result import ConvergenceWarning
 from fedtrust.inference.screen import screen
-from fedtrust.inference.tasks import FAR, TaskGram, Tasks
+from fedtrust.inference.tasks import TaskGram, Tasks, far_entries
 
 PAPER = "Nguyen, Lim, Wynter, Cai 2021, Probabilistic Inference for Learning from Untrusted Sources"
 
@@ -144,9 +144,7 @@ def _about_median_if_far(reps: torch.Tensor, norms: torch.Tensor | None, groups:
     the norms decides; the moments cost a selection pass and a Gram pass, on such rounds only."""
     if groups.moments is not None or groups.count < 3 or norms is None:
         return groups
-    sq = norms.to(torch.float64).square()
-    largest, median = torch.stack([sq.max(), sq.median()]).tolist()
-    if not largest > FAR * median:
+    if not far_entries(norms.to(torch.float64).square()):
         return groups
     _, moments = median_moments(reps)
     return groups if moments is None else replace(groups, moments=moments)

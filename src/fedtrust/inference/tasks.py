@@ -177,8 +177,8 @@ class TaskGram:
         i, j, _ = t.x.shape
         like = dict(dtype=t.x.dtype, device=t.x.device)
         missing = None if bool(t.mask.all()) else ~t.mask[:, :, None]
-        plain = (t.m / t.m.sum(1, keepdim=True)).to(t.x.dtype)
         centre = coordinate_median(t) if median else None
+        plain = (t.m / t.m.sum(1, keepdim=True)).to(t.x.dtype) if centre is None else None
         chunks = list(t.chunks())
         # per-chunk float32 products land in buffers summed in float64 once; the residuals reuse one buffer
         parts = len(chunks)
@@ -312,19 +312,27 @@ def mean_noise(t: Tasks, gram: TaskGram | TaskPasses | None = None) -> torch.Ten
     0.25 of the signal's norm from the honest mean; at 1e12 per coordinate, 16 per coordinate from the far
     source). From the median the far source starts with about the weight it ends with."""
     plain = _plain_noise(t, gram)
-    robust = _robust_start(t, gram, plain)
+    robust = _robust_start(t, gram, plain) if _may_drag(t, gram) else None
     return plain if robust is None else robust
 
 
 def dragged_start(t: Tasks, gram: TaskGram | TaskPasses) -> torch.Tensor | None:
     """(J,): each source's mean squared distance (per coordinate) to a robust centre where a far source
-    drags the plain per-task mean (:func:`dragged`), else None: the statistics' own centre where it is
-    robust (a rule's median, or :meth:`TaskGram.of`'s where some estimate is far), else, for
-    :class:`TaskPasses`, the per-task coordinate-wise median, taken (one more pass) only where
-    :func:`has_far_entries`."""
-    if not (isinstance(gram, TaskGram) and gram.robust or has_far_entries(t, gram)):
-        return None
-    return _robust_start(t, gram, _plain_noise(t, gram))
+    drags the plain per-task mean, else None: the statistics' own centre where it is robust (a rule's
+    median, or :meth:`TaskGram.of`'s where some estimate is far: :func:`dragged`), else, for
+    :class:`TaskPasses` whose estimates include a far one (:func:`far_entries`), the per-task
+    coordinate-wise median (one more pass)."""
+    return _robust_start(t, gram, _plain_noise(t, gram)) if _may_drag(t, gram) else None
+
+
+def _may_drag(t: Tasks, gram: TaskGram | TaskPasses | None) -> bool:
+    """Whether a far source may drag the plain mean: statistics about a robust centre, or passes over
+    estimates one of which is far (their norms: the passes' first pass, which they take anyway)."""
+    if isinstance(gram, TaskGram):
+        return gram.robust
+    if not isinstance(gram, TaskPasses):
+        return False
+    return far_entries(gram.passes.norms().reshape(t.mask.shape).square(), t.mask)
 
 
 def _plain_noise(t: Tasks, gram: TaskGram | TaskPasses | None) -> torch.Tensor:
@@ -336,11 +344,12 @@ def _plain_noise(t: Tasks, gram: TaskGram | TaskPasses | None) -> torch.Tensor:
     return _per_source(r, m)
 
 
-def _robust_start(t: Tasks, gram: TaskGram | TaskPasses | None, plain: torch.Tensor) -> torch.Tensor | None:
-    robust = dragged(plain, gram, t.shape[2])
-    if robust is None and isinstance(gram, TaskPasses) and has_far_entries(t, gram):
-        robust = _drags(plain, _per_source(residual_sq(t, coordinate_median(t)) / t.shape[2], t.m))
-    return robust
+def _robust_start(t: Tasks, gram: TaskGram | TaskPasses, plain: torch.Tensor) -> torch.Tensor | None:
+    """:func:`dragged` for statistics about a robust centre; for passes, the same test on the distances to
+    the per-task coordinate-wise median."""
+    if isinstance(gram, TaskGram):
+        return dragged(plain, gram, t.shape[2])
+    return _drags(plain, _per_source(residual_sq(t, coordinate_median(t)) / t.shape[2], t.m))
 
 
 def dragged(plain: torch.Tensor, gram: TaskGram | TaskPasses | None, k: int) -> torch.Tensor | None:
@@ -387,22 +396,12 @@ def _present(gram: TaskGram) -> torch.Tensor:
     return torch.ones(gram.centred.shape[:2], dtype=gram.centred.dtype, device=gram.centred.device)
 
 
-def has_far_entries(t: Tasks, gram: TaskGram | TaskPasses) -> bool:
-    """:func:`far_entries` of the tasks' estimates, their squared norms read from ``t.norms`` or the
-    statistics (a :class:`TaskGram`'s, or the first pass that :class:`TaskPasses` take anyway)."""
-    if t.norms is not None:
-        sq = t.norms.to(torch.float64).square().reshape(t.mask.shape)
-    elif isinstance(gram, TaskGram):
-        sq = gram.sq_norms()
-    else:
-        sq = gram.passes.norms().reshape(t.mask.shape).square()  # (the passes keep norms, not squares)
-    return far_entries(sq, t.mask)
-
-
-def far_entries(sq: torch.Tensor, mask: torch.Tensor) -> bool:
+def far_entries(sq: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
     """Whether some task holds an estimate whose squared norm, ``sq`` (I, J), is :data:`FAR` times the
-    median one of the estimates present in its task (``mask``; per task: tasks may differ in scale by any
-    factor)."""
+    (lower) median one of the estimates present in its task (``mask``, None: all; per task: tasks may
+    differ in scale by any factor). One read from the device."""
+    if mask is None:
+        return bool((sq > FAR * sq.median(-1, keepdim=True).values).any())
     present = mask.to(sq.device)
     median = torch.where(present, sq, torch.nan).nanmedian(1, keepdim=True).values
     return bool(((sq > FAR * median) & present).any())
