@@ -188,14 +188,17 @@ def test_a_fit_that_says_it_converged_is_within_its_tolerance_of_its_fixed_point
     converges slowly: 5,228 iterations to a tol of 1e-12. At the default tol it said "converged" after 42,
     with source 0's weight at 0.9593 against the fixed point's 0.9631 (500 times the tolerance): the two
     changes after a SQUAREM jump, and later changes that hovered while the weights kept going one way, were
-    read as convergence. Now the fit either is within a few times its tolerance or says it is not."""
+    read as convergence. Now the fit either is within a few times its tolerance or says it is not. (The
+    fixed point is found on the same numbers in float64, where a tol of 1e-12 is above the rounding:
+    67-70 iterations under every kernel setting tried; in float32, 3,161 on one CPU, over 20,000 on
+    another.)"""
     g = torch.Generator().manual_seed(0)
     scales = torch.ones(20)
     scales[0] = 0.05
     x = (torch.randn(2000, generator=g) + torch.randn(20, 2000, generator=g) * scales[:, None])[None]
     fit = ivar_mle(x)
     assert "degenerate" in fit.params
-    truth = ivar_mle(x, tol=1e-12, max_iter=20_000)
+    truth = ivar_mle(x.double(), tol=1e-12, max_iter=20_000)
     assert truth.converged
     if fit.converged:
         torch.testing.assert_close(fit.weights, truth.weights, **dtype_tol(x.dtype, 4))

@@ -46,9 +46,15 @@ class Iterated:
     iterations: int
     changes: WeightChanges
     trace: list[float] = field(default_factory=list)
+    #: Whether the weights are within the tolerance of their fixed point (:func:`converged`), judged on
+    #: plain steps only: not where the last changes are a jump and its transient (:data:`AFTER_JUMP`)
+    converged: bool = False
 
-    def converged(self, tol: float) -> bool:
-        return converged(self.changes, tol)
+
+#: Plain steps after a SQUAREM jump before its changes can tell convergence: the jump leaves the fast
+#: directions far from their fixed point and the slow ones near it, so the first plain steps shrink fast and
+#: look converged while the slow direction still has its way to go; the third is judged with the second.
+AFTER_JUMP = 3
 
 
 @contextlib.contextmanager
@@ -81,28 +87,31 @@ def _squarem(
     update: Callable[[torch.Tensor], Step], state: torch.Tensor, max_iter: int, tol: float
 ) -> Iterated:
     changes, trace = WeightChanges(), []
-    done = 0
+    done, since_jump = 0, AFTER_JUMP
 
     def plain(s: torch.Tensor) -> Step:
-        nonlocal done
+        nonlocal done, since_jump
         done += 1
+        since_jump += 1
         out = update(s)
         changes.add(out.weights, out.noise)
         trace.append(out.objective)
         return out
 
+    def end(step: Step) -> Iterated:  # the limit may end it right after a jump: not a verdict then
+        settled = since_jump >= AFTER_JUMP and converged(changes, tol)
+        return Iterated(step, done, changes, trace, settled)
+
     theta, jumped = state, False
     step0 = plain(theta)
     while True:
         if (not jumped and converged(changes, tol)) or done >= max_iter:
-            return Iterated(step0, done, changes, trace)
+            return end(step0)
         step1 = plain(step0.state)
         if done >= max_iter or (converged(changes, tol) and not jumped):
-            return Iterated(step1, done, changes, trace)
+            return end(step1)
         if jumped and converged(changes, tol):
-            # the two changes since a jump are its transient: the jump leaves the fast directions far
-            # from their fixed point and the slow ones near it, so the first plain steps shrink fast and
-            # look converged while the slow direction still has its way to go (IVAR-MLE's flat-prior
+            # the two changes since a jump are its transient (AFTER_JUMP; IVAR-MLE's flat-prior
             # estimate: "converged" at a weight of 0.976, its fixed point 0.987). One more plain step:
             # judged on it and the last, at the loop's top, with no jump in between.
             theta, jumped = step1.state, False
@@ -130,8 +139,8 @@ def _squarem(
                 ):
                     changes.add(tried.weights, tried.noise)  # a jump, not a plain step: judged on the next
                     trace.append(tried.objective)
-                    last, jumped = tried, True
+                    last, jumped, since_jump = tried, True, 0
         if done >= max_iter:
-            return Iterated(last, done, changes, trace)
+            return end(last)
         theta = last.state
         step0 = plain(theta)

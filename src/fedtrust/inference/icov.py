@@ -589,7 +589,7 @@ def icov_vb(
         weights=weights,
         trace=fit.trace,
         iterations=fit.iterations,
-        converged=fit.converged(tol),
+        converged=fit.converged,
         changes=list(fit.changes),
         tol=tol,
         params={

@@ -236,7 +236,7 @@ def _degenerate(t, m, gram, first, past, max_iter, tol, it, floor, update) -> In
         weights=weights,
         trace=fit.trace,  # the objective of the estimate returned (eq 6-7's path ended in the collapse)
         iterations=it + fit.iterations,
-        converged=fit.converged(tol),
+        converged=fit.converged,
         changes=list(fit.changes),
         tol=tol,
         params={"degenerate": reason, "lambda": lam.to(device)},
@@ -293,7 +293,7 @@ def ivar_vb(
         weights=weights.to(device),
         trace=fit.trace,
         iterations=fit.iterations,
-        converged=fit.converged(tol),
+        converged=fit.converged,
         changes=list(fit.changes),
         tol=tol,
         params={"tau2": tau2, "lambda": lam.to(device)},
