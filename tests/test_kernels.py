@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import reference as ref
 import torch
+from conftest import dtype_tol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_rule_properties import OPTIONS, PERMUTATION_TOL, Benchmark
@@ -415,7 +416,12 @@ def test_a_rule_gives_the_same_result_on_one_thread_and_on_two(name):
     """The order statistics' thread pool and the passes' batched products (one batch a thread) on two
     threads give one thread's aggregate and weights: the pool's blocks and the batch's columns are each
     computed as one thread computes them. (``make test`` runs one torch thread per worker on 2 cores,
-    so these paths run here, with the pool made again for the thread count.)"""
+    so these paths run here, with the pool made again for the thread count.) The means and order
+    statistics agree exactly. The geometric median's distances also take the products of a block left
+    outside a batch (here the third of three), which the BLAS runs itself: MKL on an Intel AVX-512 CPU
+    splits such a long dot product between two threads (from about 4,096 columns at 10 clients), so
+    they round differently, and the median agrees to its stopping tolerance (a distance of 520.2260 on
+    one thread was 520.2259 on two)."""
     g = torch.Generator().manual_seed(5)
     r = Round(updates=torch.randn(10, 300_000, generator=g), num_samples=torch.arange(1.0, 11.0))
 
@@ -432,4 +438,8 @@ def test_a_rule_gives_the_same_result_on_one_thread_and_on_two(name):
 
     one, two = on(1), on(2)
     assert len(column_blocks(r.updates, "select")) > 2
-    assert torch.equal(one.vector, two.vector) and torch.equal(one.weights, two.weights)
+    if name == "geometric_median":
+        torch.testing.assert_close(two.weights, one.weights, **dtype_tol(torch.float32))
+        torch.testing.assert_close(two.vector, one.vector, **dtype_tol(torch.float32))
+    else:
+        assert torch.equal(one.vector, two.vector) and torch.equal(one.weights, two.weights)
