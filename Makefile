@@ -25,10 +25,12 @@ test: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/python docs/build.py docs/api
 
-# The suite on this CPU's own kernels, then as an old x86-64 CPU would run it (no AVX: PyTorch's default
-# kernels, MKL at SSE4.2, OpenBLAS's Prescott kernels): results must not hang on how rounding falls.
+# The suite on this CPU's own kernels, then as an AVX2 CPU without AVX-512 would run it (PyTorch's and
+# MKL's AVX2 kernels), then as an old x86-64 CPU would (no AVX: PyTorch's default kernels, MKL at SSE4.2,
+# OpenBLAS's Prescott kernels): results must not hang on how rounding falls.
 test-cpus: $(STAMP)
 	env -u OPENBLAS_CORETYPE $(PYTEST)
+	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 OPENBLAS_CORETYPE=Haswell $(PYTEST)
 	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OPENBLAS_CORETYPE=Prescott $(PYTEST)
 
 # Speed against the peers (benchmarks/README.md). ByzFL is installed for benchmarks only, without its
