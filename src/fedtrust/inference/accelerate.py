@@ -98,30 +98,32 @@ def _squarem(
         trace.append(out.objective)
         return out
 
-    def end(step: Step) -> Iterated:  # the limit may end it right after a jump: not a verdict then
-        settled = since_jump >= AFTER_JUMP and converged(changes, tol)
-        return Iterated(step, done, changes, trace, settled)
+    def settled() -> bool:  # judged on plain steps past a jump's transient only (AFTER_JUMP)
+        return since_jump >= AFTER_JUMP and converged(changes, tol)
 
-    theta, jumped = state, False
+    def end(step: Step) -> Iterated:  # (the limit may end it right after a jump: not a verdict then)
+        return Iterated(step, done, changes, trace, settled())
+
+    theta = state
     step0 = plain(theta)
     while True:
-        if (not jumped and converged(changes, tol)) or done >= max_iter:
+        if settled() or done >= max_iter:
             return end(step0)
         step1 = plain(step0.state)
-        if done >= max_iter or (converged(changes, tol) and not jumped):
+        if done >= max_iter or settled():
             return end(step1)
-        if jumped and converged(changes, tol):
+        if since_jump < AFTER_JUMP and converged(changes, tol):
             # the two changes since a jump are its transient (AFTER_JUMP; IVAR-MLE's flat-prior
             # estimate: "converged" at a weight of 0.976, its fixed point 0.987). One more plain step:
             # judged on it and the last, at the loop's top, with no jump in between.
-            theta, jumped = step1.state, False
+            theta = step1.state
             step0 = plain(theta)
             continue
         r = step0.state - theta
         v = step1.state - step0.state - r
         vn = float(v.norm())
         alpha = min(-float(r.norm()) / vn, -1.0) if vn > 0 else -1.0
-        last, jumped = step1, False
+        last = step1
         if alpha < -1.0:
             candidate = theta - 2 * alpha * r + alpha * alpha * v
             if bool(torch.isfinite(candidate).all()):
@@ -139,7 +141,7 @@ def _squarem(
                 ):
                     changes.add(tried.weights, tried.noise)  # a jump, not a plain step: judged on the next
                     trace.append(tried.objective)
-                    last, jumped, since_jump = tried, True, 0
+                    last, since_jump = tried, 0
         if done >= max_iter:
             return end(last)
         theta = last.state
