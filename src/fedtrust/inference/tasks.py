@@ -312,17 +312,21 @@ def mean_noise(t: Tasks, gram: TaskGram | TaskPasses | None = None) -> torch.Ten
     0.25 of the signal's norm from the honest mean; at 1e12 per coordinate, 16 per coordinate from the far
     source). From the median the far source starts with about the weight it ends with."""
     plain = _plain_noise(t, gram)
-    robust = _robust_start(t, gram, plain) if _may_drag(t, gram) else None
+    robust = dragged_start(t, gram, plain)
     return plain if robust is None else robust
 
 
-def dragged_start(t: Tasks, gram: TaskGram | TaskPasses) -> torch.Tensor | None:
+def dragged_start(
+    t: Tasks, gram: TaskGram | TaskPasses | None, plain: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """(J,): each source's mean squared distance (per coordinate) to a robust centre where a far source
     drags the plain per-task mean, else None: the statistics' own centre where it is robust (a rule's
     median, or :meth:`TaskGram.of`'s where some estimate is far: :func:`dragged`), else, for
     :class:`TaskPasses` whose estimates include a far one (:func:`far_entries`), the per-task
-    coordinate-wise median (one more pass)."""
-    return _robust_start(t, gram, _plain_noise(t, gram)) if _may_drag(t, gram) else None
+    coordinate-wise median (one more pass). ``plain``: the distances to the plain mean, if already taken."""
+    if not _may_drag(t, gram):
+        return None
+    return _robust_start(t, gram, _plain_noise(t, gram) if plain is None else plain)
 
 
 def _may_drag(t: Tasks, gram: TaskGram | TaskPasses | None) -> bool:
