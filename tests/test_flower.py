@@ -372,6 +372,34 @@ def test_simulation_corrupts_the_partitions_the_run_config_lists():
     }
 
 
+def test_a_corrupted_partition_that_is_no_partition_id_is_refused_with_the_entry():
+    """``fedtrust-corrupted-partitions="7 x"`` left every node honest, silently (flower-run, 3 nodes)."""
+    from fedtrust.flower import corrupted_partitions
+
+    assert corrupted_partitions({"fedtrust-corrupted-partitions": "3, 1 3"}) == [3, 1]  # listed order
+    assert corrupted_partitions({"fedtrust-corrupted-partitions": ""}) == corrupted_partitions({}) == []
+    for listed, entry in (("7 x", "'x'"), ("1 -2", "'-2'"), ("1.5", "'1.5'")):
+        with pytest.raises(ValueError, match=f"fedtrust-corrupted-partitions: {entry} is not a partition id"):
+            corrupted_partitions({"fedtrust-corrupted-partitions": listed})
+
+
+def test_a_corrupted_name_no_node_had_is_logged_not_scored_in_silence(caplog):
+    """``corrupted=`` naming a partition beyond the federation (7 of 4) or a misspelt node: the run says
+    which names no node had and which nodes there were; a name that was there is not listed."""
+    strategy = TrustStrategy(rule="median", fraction_evaluate=0.0, min_available_nodes=4,
+                             corrupted=["partition-7", "partition-2"])  # fmt: skip
+    with caplog.at_level("WARNING"):
+        run(strategy, federation(), rounds=1)
+    line = next(x for x in caplog.text.splitlines() if "corrupted=" in x)
+    assert "no node of this run's 1 rounds was named partition-7 (the nodes were partition-0" in line
+    assert "partition-2," in line and "named partition-2" not in line
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        run(TrustStrategy(rule="median", fraction_evaluate=0.0, min_available_nodes=4,
+                          corrupted=["partition-2"]), federation(), rounds=1)  # fmt: skip
+    assert "corrupted=" not in caplog.text
+
+
 def test_a_node_role_takes_options_and_dba_nodes_take_the_stripes_in_listed_order():
     from fedtrust.flower.client import LocalData, _attacked, _Nodes
 

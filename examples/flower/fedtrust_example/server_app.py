@@ -6,7 +6,7 @@ import torch
 from flwr.app import ArrayRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from fedtrust.flower import ArrayLayout, TrustStrategy, server_training
+from fedtrust.flower import ArrayLayout, TrustStrategy, corrupted_partitions, server_training
 from fedtrust.models import FlatModel
 from fedtrust.registry import parse_spec
 from fedtrust.rules import rule as build_rule
@@ -25,7 +25,7 @@ def main(grid: Grid, context: Context) -> None:
     torch.manual_seed(setting(cfg, "seed", int, minimum=0))  # the initial model: a run gives the same numbers
     model = make_model(dataset, model_name)
     # simulation: the partitions the run config corrupts are known, so the report can score detection
-    corrupted = setting(cfg, "fedtrust-corrupted-partitions", str).replace(",", " ").split()
+    corrupted = corrupted_partitions(cfg)
     # FLTrust's root-data update: the server trains on its benchmark rows as the nodes train
     root = server_training(make_model(dataset, model_name), benchmark, cfg) if size else None
     if getattr(build_rule(rule, **rule_options), "reads_reference", ()) and not size:

@@ -15,6 +15,7 @@ _WHERE = {
     "ArrayLayout": "arrays",
     "MalformedReply": "arrays",
     "LocalData": "client",
+    "corrupted_partitions": "client",
     "node_name": "client",
     "server_training": "client",
     "trust_client_app": "client",
@@ -25,6 +26,7 @@ __all__ = [
     "LocalData",
     "MalformedReply",
     "TrustStrategy",
+    "corrupted_partitions",
     "node_name",
     "server_training",
     "trust_client_app",
@@ -32,7 +34,13 @@ __all__ = [
 
 if TYPE_CHECKING:
     from fedtrust.flower.arrays import ArrayLayout, MalformedReply
-    from fedtrust.flower.client import LocalData, node_name, server_training, trust_client_app
+    from fedtrust.flower.client import (
+        LocalData,
+        corrupted_partitions,
+        node_name,
+        server_training,
+        trust_client_app,
+    )
     from fedtrust.flower.strategy import TrustStrategy
 
 

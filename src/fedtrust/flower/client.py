@@ -86,12 +86,27 @@ CORRUPTED_PARTITIONS = "fedtrust-corrupted-partitions"
 TRAINING: dict[str, Any] = {"local-epochs": 1, "batch-size": 32, "learning-rate": 0.05, "weight-decay": 0.0}
 
 
+def corrupted_partitions(run_config: Mapping[str, Any]) -> list[int]:
+    """The partition ids the run config's ``fedtrust-corrupted-partitions`` lists ("0 3" or "0, 3"; none
+    when it is absent or empty), in its order (DBA's stripes go by it), or an error naming the key and
+    the entry that is not a partition id: a typo ("7 x") left every node honest and the run's detection
+    scores with nothing to score, silently."""
+    listed = str(run_config.get(CORRUPTED_PARTITIONS, "")).replace(",", " ").split()
+    for entry in listed:
+        if not (entry.isascii() and entry.isdigit()):
+            raise ValueError(
+                f"run config {CORRUPTED_PARTITIONS}: {entry!r} is not a partition id (whole numbers >= 0, "
+                f'e.g. "0 3"), in {run_config[CORRUPTED_PARTITIONS]!r}'
+            )
+    return list(dict.fromkeys(int(entry) for entry in listed))
+
+
 def node_role(context: Context) -> dict[str, str]:
     """The corruption keys that apply to this node: its own node config's, else the run config's when its
     ``partition-id`` is listed in ``fedtrust-corrupted-partitions``. Empty for an honest node."""
     keys = (CORRUPTION, ATTACK, LIE)
     role = {k: str(context.node_config[k]) for k in keys if str(context.node_config.get(k, "")) != ""}
-    listed = str(context.run_config.get(CORRUPTED_PARTITIONS, "")).replace(",", " ").split()
+    listed = [str(p) for p in corrupted_partitions(context.run_config)]
     if str(context.node_config.get("partition-id", "")) in listed:
         for key in keys:
             if str(context.run_config.get(key, "")) != "":
@@ -286,7 +301,7 @@ def _rank(context: Context) -> int | None:
     """The node's rank among the corrupted partitions the run config lists (DBA's stripe), else its
     partition id."""
     who = str(context.node_config.get("partition-id", ""))
-    listed = str(context.run_config.get(CORRUPTED_PARTITIONS, "")).replace(",", " ").split()
+    listed = [str(p) for p in corrupted_partitions(context.run_config)]
     if who in listed:
         return listed.index(who)
     return int(who) if who.isdigit() else None

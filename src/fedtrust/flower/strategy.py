@@ -208,7 +208,8 @@ class TrustStrategy(FedAvg):
             self.identity, self.train_loss_key)  # fmt: skip
 
     def trust(self, round: int = -1) -> dict[str, float]:
-        """Node name -> trust in a round of ``history`` (the last by default)."""
+        """Node name -> trust in a round of ``history`` (the last by default): NaN for each node of a round
+        the rule refused, where there is no trust to give (the record's ``error`` says why)."""
         record = self.history[round]
         return dict(zip(record["clients"], record["weights"], strict=True))
 
@@ -269,9 +270,20 @@ class TrustStrategy(FedAvg):
                 raise
             finally:
                 self._own_loop = False
+            self._warn_unseen_corrupted()
             if self.run is not None:
                 self.run.finish(self.history, num_rounds)
         return self._whole(result, initial_arrays, done)
+
+    def _warn_unseen_corrupted(self) -> None:
+        """A ``corrupted`` name no node of the run's rounds had (a partition id beyond the federation, a
+        misspelt node) would leave the detection scores with nothing to score, silently: logged."""
+        seen = {name for record in self.history for name in record.get("clients", [])}
+        unseen = sorted(self.corrupted - seen)
+        if unseen and self.history:
+            log(WARNING, "corrupted=: no node of this run's %d rounds was named %s (the nodes were %s): the "
+                "detection scores (AUROC) leave them out", len(self.history),
+                ", ".join(unseen), ", ".join(sorted(seen)) or "none")  # fmt: skip
 
     def _restore(self, state: dict[str, Any]) -> ArrayRecord:
         self.rule.load_state_dict(state["rule_state"])
