@@ -338,6 +338,18 @@ def test_unknown_option_lists_the_valid_options():
         rule("krum", g=1)
 
 
+def test_an_option_yaml_read_as_one_key_is_named_as_such():
+    """``--set 'rule={name:bogus}'`` (no space after the colon) is YAML's key "name:bogus" with no value:
+    the error said only that the rule has no option 'name:bogus'."""
+    from fedtrust.registry import yaml_value
+
+    options = yaml_value("{f:1}")
+    assert options == {"f:1": None}
+    with pytest.raises(UnknownRuleError, match=r"no option 'f:1' \(YAML reads \"f:1\" with no space after "
+                       r"the colon as one key; write \"f: 1\"\); its options: f"):  # fmt: skip
+        rule("krum", **options)
+
+
 @pytest.mark.parametrize(
     "name, options, message",
     [
