@@ -81,12 +81,14 @@ arfl: $(STAMP) fashion-mnist
 fedag: $(STAMP)
 	$(BIN)/python experiments/fedag/run.py all --out $(call reports,fedag)
 
-# Every rule against every attack on digits, 3 seeds (issue 19; ~20 min on 2 cores; cached per source).
+# Every rule against every attack on digits, 3 seeds (issue 19; 25-45 min on 2 cores: the README's table;
+# cached per source).
 robustness: $(STAMP)
 	$(BIN)/python experiments/robustness/run.py --data digits --seeds 3 --out $(call reports,robustness)
 
 # fedtrust's rules against ByzFL's and Flower's own implementations on the robustness federation (digits,
-# 3 seeds, ~1 h on 2 cores; cached per source). ByzFL is installed for this and the benchmarks only.
+# 3 seeds, 24 min on 2 cores: experiments/peers/README.md; cached per source). ByzFL is installed for this
+# and the benchmarks only.
 peers: $(STAMP)
 	$(BIN)/python -m pip install --quiet --no-deps byzfl==0.0.11
 	$(BIN)/python experiments/peers/run.py --data digits --seeds 3 --out $(call reports,peers)
