@@ -56,12 +56,13 @@ def check_options(kind: str, name: str, builder: Callable, options: Mapping[str,
         listed = ", ".join(
             k if v is inspect.Parameter.empty else f"{k} (default {v!r})" for k, v in valid.items()
         )
-        key, value = unknown[0], options[unknown[0]]
-        # YAML reads "{name:bogus}" (no space after the colon) as the key "name:bogus" with no value
-        typo = (f' (YAML reads "{key}" with no space after the colon as one key; write '
-                f'"{key.replace(":", ": ", 1)}")') if ":" in str(key) and value is None else ""  # fmt: skip
+        key, value = str(unknown[0]), options[unknown[0]]
+        typo = ""  # YAML reads "{name:bogus}" (no space after the colon) as the key "name:bogus", no value
+        if ":" in key and value is None:
+            meant = key.replace(":", ": ", 1)
+            typo = f' (YAML reads "{key}" with no space after the colon as one key; write "{meant}")'
         raise UnknownNameError(
-            f"{kind} {name!r} has no option {key!r}{typo}; its options: {listed or 'none'}"
+            f"{kind} {name!r} has no option {unknown[0]!r}{typo}; its options: {listed or 'none'}"
         )
     missing = [k for k, v in valid.items() if v is inspect.Parameter.empty and k not in options]
     if missing:  # found now, not as a TypeError about positional arguments when every run starts
