@@ -106,8 +106,7 @@ def node_role(context: Context) -> dict[str, str]:
     ``partition-id`` is listed in ``fedtrust-corrupted-partitions``. Empty for an honest node."""
     keys = (CORRUPTION, ATTACK, LIE)
     role = {k: str(context.node_config[k]) for k in keys if str(context.node_config.get(k, "")) != ""}
-    listed = [str(p) for p in corrupted_partitions(context.run_config)]
-    if str(context.node_config.get("partition-id", "")) in listed:
+    if _listed_at(context) is not None:
         for key in keys:
             if str(context.run_config.get(key, "")) != "":
                 role.setdefault(key, str(context.run_config[key]))
@@ -300,11 +299,19 @@ def _corruption(spec: str, data: LocalData):
 def _rank(context: Context) -> int | None:
     """The node's rank among the corrupted partitions the run config lists (DBA's stripe), else its
     partition id."""
+    place = _listed_at(context)
+    if place is not None:
+        return place
     who = str(context.node_config.get("partition-id", ""))
-    listed = [str(p) for p in corrupted_partitions(context.run_config)]
-    if who in listed:
-        return listed.index(who)
     return int(who) if who.isdigit() else None
+
+
+def _listed_at(context: Context) -> int | None:
+    """Where the node's ``partition-id`` stands in the run config's ``fedtrust-corrupted-partitions``,
+    or None where it is not listed."""
+    listed = [str(p) for p in corrupted_partitions(context.run_config)]
+    who = str(context.node_config.get("partition-id", ""))
+    return listed.index(who) if who in listed else None
 
 
 def _attacked(context: Context, start: torch.Tensor, new: torch.Tensor, g: torch.Generator) -> torch.Tensor:
